@@ -1,0 +1,61 @@
+"""Segment KV in the canonical frame (METHOD.md section 3).
+
+A segment's keys are stored de-rotated so that its first token sits at position 0; values
+are position-free. Placing the segment at absolute start ``p`` rotates its keys by ``p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcmas.kv.cache import KVCache
+from kvcmas.model.rope import rotate_keys
+
+
+@dataclass
+class SegmentKV:
+    """K and V ``[n_layers, n_kv_heads, n_tokens, head_dim]`` of one span, canonical frame."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, start: int, end: int, inv_freq: torch.Tensor) -> SegmentKV:
+        """Copy positions ``[start, end)`` out of a context cache into the canonical frame."""
+        k, v = cache.span(start, end)
+        return cls(rotate_keys(k, -start, inv_freq), v)
+
+    def placed_keys(self, start: int, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Keys rotated to absolute positions ``start ..``."""
+        return rotate_keys(self.k, start, inv_freq)
+
+    def slice(self, a: int, b: int, inv_freq: torch.Tensor) -> SegmentKV:
+        """Tokens ``[a, b)`` as a segment of their own (re-anchored at position 0)."""
+        return SegmentKV(rotate_keys(self.k[:, :, a:b], -a, inv_freq), self.v[:, :, a:b])
+
+    def to(self, dtype: torch.dtype) -> SegmentKV:
+        return SegmentKV(self.k.to(dtype), self.v.to(dtype))
+
+
+def place_segment(cache: KVCache, segment: SegmentKV, inv_freq: torch.Tensor) -> int:
+    """Append ``segment`` at the end of ``cache``; return the start position it was placed at."""
+    start = cache.length
+    cache.append(segment.placed_keys(start, inv_freq).to(cache.dtype), segment.v.to(cache.dtype))
+    return start
+
+
+def concat_segments(segments: list[SegmentKV], inv_freq: torch.Tensor) -> SegmentKV:
+    """One canonical segment made of ``segments`` laid end to end."""
+    ks, offset = [], 0
+    for s in segments:
+        ks.append(s.placed_keys(offset, inv_freq))
+        offset += len(s)
+    return SegmentKV(torch.cat(ks, dim=2), torch.cat([s.v for s in segments], dim=2))

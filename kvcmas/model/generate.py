@@ -1,0 +1,60 @@
+"""Greedy decoding on an explicit KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcmas.kv.cache import KVCache
+from kvcmas.model.transformer import Transformer
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # generated ids, stop token excluded
+    hit_stop: bool
+    first_logits: torch.Tensor  # float32 logits that chose the first token
+
+
+def stop_ids(loaded) -> set[int]:
+    """Every id that ends an assistant turn: config, generation config and tokenizer EOS."""
+    ids = set(loaded.config.eos_token_ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    gen = loaded.folder / "generation_config.json"
+    if gen.exists():
+        import json
+
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def greedy_decode(
+    model: Transformer,
+    cache: KVCache,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    stop: set[int],
+    feed_last: bool = True,
+) -> Decoded:
+    """Decode greedily from ``logits`` (the prompt's last-token logits), appending to ``cache``.
+
+    With ``feed_last`` the final generated token is also run through the model when the budget
+    ends generation, so the cache then holds K/V for every output token: an agent output's
+    cache in its producer is complete and exact (METHOD.md section 2, rule 4).
+    """
+    first = logits
+    tokens: list[int] = []
+    hit_stop = False
+    for step in range(max_new_tokens):
+        nxt = int(torch.argmax(logits))
+        if nxt in stop:
+            hit_stop = True
+            break
+        tokens.append(nxt)
+        if step == max_new_tokens - 1 and not feed_last:
+            break
+        logits = model.prefill([nxt], cache)
+    return Decoded(tokens=tokens, hit_stop=hit_stop, first_logits=first)

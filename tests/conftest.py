@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random-weight Llama / Qwen2 models and the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcmas.model.config import ModelConfig
+from kvcmas.model.transformer import Transformer
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    """A random-weight transformers model of the real architecture, small enough for ms tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        eos_token_id=1,
+        tie_word_embeddings=arch == "llama",
+    )
+    common.update(overrides)
+    if arch == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    else:
+        hf = Qwen2ForCausalLM(Qwen2Config(rope_theta=1e6, **common))
+    hf.eval()
+    return hf.float()
+
+
+def ours_from_hf(hf, dtype=torch.float32) -> Transformer:
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    return Transformer.from_state_dict(config, hf.state_dict(), dtype)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_pair(request):
+    hf = tiny_hf_model(request.param)
+    return hf, ours_from_hf(hf)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded default model in fp32 (converted once per machine, then cached)."""
+    from kvcmas.model.loader import load_model
+
+    return load_model("default", "fp32")

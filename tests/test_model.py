@@ -1,0 +1,140 @@
+"""Our forward equals transformers' forward; layer-range and row-subset execution are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcmas.model.config import ModelConfig, UnsupportedModelError
+from kvcmas.model.generate import greedy_decode
+from tests.conftest import ours_from_hf, tiny_hf_model
+
+
+def full_logits(model, ids):
+    cache = model.new_cache()
+    out = model.forward(ids, torch.arange(len(ids)), cache, logits_rows=slice(None))
+    return out.logits, cache
+
+
+def test_logits_equal_transformers_on_tiny_configs(tiny_pair):
+    hf, ours = tiny_pair
+    ids = torch.randint(0, 128, (37,))
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    logits, _ = full_logits(ours, ids)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    scaling = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+        rope_theta=500000.0,
+    )
+    hf = tiny_hf_model("llama", rope_parameters=scaling)
+    ours = ours_from_hf(hf)
+    assert ours.config.rope_scaling is not None
+    ids = torch.randint(0, 128, (200,))
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(full_logits(ours, ids)[0], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.real_model
+def test_logits_equal_transformers_on_default_model(real_model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(real_model.folder, dtype=torch.float32)
+    text = "Multi-agent systems share context between agents. " * 8
+    ids = torch.tensor(real_model.tokenizer(text)["input_ids"])
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    logits, _ = full_logits(real_model.model, ids)
+    assert (logits - ref).abs().max().item() < 1e-3  # logits span about +-30
+
+
+def test_incremental_prefill_equals_one_shot(tiny_pair):
+    _, ours = tiny_pair
+    ids = torch.randint(0, 128, (40,))
+    ref, ref_cache = full_logits(ours, ids)
+    cache = ours.new_cache(capacity=4)  # forces growth
+    for a, b in [(0, 13), (13, 14), (14, 40)]:
+        last = ours.prefill(ids[a:b], cache)
+    torch.testing.assert_close(last, ref[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k[:, :, :40], ref_cache.k[:, :, :40], atol=1e-6, rtol=1e-5)
+
+
+def test_row_subset_over_layer_range_equals_rows_of_full_forward(tiny_pair):
+    """Recompute layers [1, L) for scattered rows on top of the exact cache: same rows."""
+    _, ours = tiny_pair
+    ids = torch.randint(0, 128, (30,))
+    n_layers = ours.config.n_layers
+    cache = ours.new_cache()
+    full = ours.forward(ids, torch.arange(30), cache, logits_rows=slice(None), capture=(1,))
+    rows = torch.tensor([2, 7, 8, 19, 29])
+    work = cache.clone()
+    work.k[1:, :, rows] = 0  # forget those rows above layer 0: they must be rebuilt exactly
+    work.v[1:, :, rows] = 0
+    out = ours.forward(
+        None,
+        rows,
+        work,
+        layers=range(1, n_layers),
+        hidden=full.captured[1][rows],
+        logits_rows=slice(None),
+    )
+    torch.testing.assert_close(out.logits, full.logits[rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(work.k[:, :, :30], cache.k[:, :, :30], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_forward_runs_close_to_fp32(tiny_pair):
+    hf, ours = tiny_pair
+    ours16 = ours_from_hf(hf, torch.bfloat16)
+    ids = torch.randint(0, 128, (20,))
+    a, _ = full_logits(ours, ids)
+    b, _ = full_logits(ours16, ids)
+    assert b.dtype == torch.float32 and (a - b).abs().max() < 0.1
+
+
+def test_greedy_decode_matches_transformers_generate(tiny_pair):
+    hf, ours = tiny_pair
+    ids = torch.randint(2, 128, (10,))
+    with torch.inference_mode():
+        ref = hf.generate(ids[None], max_new_tokens=8, do_sample=False, eos_token_id=None)
+    cache = ours.new_cache()
+    dec = greedy_decode(ours, cache, ours.prefill(ids, cache), 8, stop=set())
+    assert dec.tokens == ref[0, 10:].tolist()
+    assert cache.length == 18  # every output token was fed: its K/V is in the cache
+
+
+def test_greedy_decode_stops_at_stop_token(tiny_pair):
+    _, ours = tiny_pair
+    cache = ours.new_cache()
+    logits = ours.prefill(torch.randint(2, 128, (6,)), cache)
+    first = int(logits.argmax())
+    dec = greedy_decode(ours, cache, logits, 8, stop={first})
+    assert dec.tokens == [] and dec.hit_stop
+
+
+def test_position_beyond_context_is_refused(tiny_pair):
+    _, ours = tiny_pair
+    with pytest.raises(ValueError, match="context"):
+        ours.forward(torch.tensor([3]), torch.tensor([600]), ours.new_cache())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "gemma3"}, "gemma3"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"partial_rotary_factor": 0.5}, "partial"),
+    ],
+)
+def test_unsupported_architectures_are_refused_by_name(change, message):
+    hf = tiny_hf_model("llama").config.to_dict()
+    hf.update(change)
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf(hf)
