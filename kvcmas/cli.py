@@ -68,6 +68,83 @@ def cmd_bench_forward(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvcmas.methods import make_method
+    from kvcmas.model.loader import load_model
+    from kvcmas.workflow.runner import Runner, read_requests
+    from kvcmas.workflow.spec import load_workflow
+
+    workflow = load_workflow(args.workflow)
+    requests = read_requests(args.requests) if args.requests else [{"query": args.question}]
+    for r in requests:
+        workflow.check_request(r)
+    try:
+        method = make_method(args.method, **method_params(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    loaded = load_model(args.model, args.dtype)
+    reference = None
+    if args.compare:
+        same = args.reference_dtype == args.dtype
+        reference = loaded if same else load_model(args.model, args.reference_dtype)
+    runner = Runner(loaded, workflow, method, reference=reference)
+    for i, result in enumerate(runner.run_stream(requests)):
+        if args.json:
+            print(json.dumps(result.to_json()), flush=True)
+        else:
+            print_result_table(i, result)
+    return 0
+
+
+def print_result_table(i, result) -> None:
+    print(f"request {result.request} [{result.method}]")
+    cols = ["agent", "ttft_s", "prompt", "prefilled", "reused", "recompute", "decisions"]
+    compare = result.hops[0].fidelity is not None
+    if compare:
+        cols += ["kv_err", "kl_first", "kl_cont", "same"]
+    print("  " + "  ".join(f"{c:>10}" for c in cols))
+    for h in result.hops:
+        decisions = ",".join(s["decision"][0] for s in h.segments if s["kind"] != "private")
+        row = [
+            h.agent,
+            f"{h.ttft_s:.3f}",
+            h.prompt_tokens,
+            h.prefilled_tokens,
+            h.reused_tokens,
+            f"{h.recompute_fraction:.2f}",
+            decisions or "-",
+        ]
+        if compare:
+            f = h.fidelity
+            row += [
+                f"{f['kv_rel_error']:.4f}",
+                f"{f['first_token_kl']:.4f}",
+                f"{f['continuation_kl']:.4f}",
+                f["same_output"],
+            ]
+        print("  " + "  ".join(f"{str(c):>10}" for c in row))
+    print(f"  final answer: {result.final_answer}")
+    if result.reference_final_answer is not None:
+        print(f"  same final answer as NonShared: {result.same_final_answer}")
+
+
+def method_params(args: argparse.Namespace) -> dict:
+    """Method knobs given on the command line (only those the user set)."""
+    return {k[2:]: v for k, v in vars(args).items() if k.startswith("m_") and v is not None}
+
+
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    """Knobs of the reuse methods; each method accepts its own and rejects the rest."""
+    g = p.add_argument_group("method parameters")
+    g.add_argument("--pool-size", dest="m_pool_size", type=int)
+    g.add_argument("--rank", dest="m_rank", type=int, help="delta rank r (0 = full)")
+    g.add_argument("--base-rank", dest="m_base_rank", type=int, help="base rank (0 = full)")
+    g.add_argument("--temperature", dest="m_temperature", type=float)
+    g.add_argument("--tau", dest="m_tau", type=float)
+    g.add_argument("--min-anchors", dest="m_min_anchors", type=int)
+    g.add_argument("--no-chain", dest="m_chain", action="store_const", const=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcmas", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -79,6 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("run", help="run requests through a multi-agent workflow")
+    r.add_argument("--workflow", required=True, help="built-in name or a YAML/JSON file")
+    r.add_argument("--method", required=True)
+    q = r.add_mutually_exclusive_group(required=True)
+    q.add_argument("--question")
+    q.add_argument("--requests", help="JSONL file: one object per line with 'query' and inputs")
+    add_model_args(r)
+    r.add_argument(
+        "--compare",
+        action="store_true",
+        help="measure every hop against NonShared's dense KV (fidelity)",
+    )
+    r.add_argument("--reference-dtype", default="fp32")
+    r.add_argument("--json", action="store_true")
+    add_method_args(r)
+    r.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmarks and experiments")
     bsub = bench.add_subparsers(dest="experiment", required=True)
@@ -105,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvcmas.model.config import UnsupportedModelError
     from kvcmas.model.loader import ModelLoadError
+    from kvcmas.workflow.spec import WorkflowError
 
     if getattr(args, "dtype", None) is not None and args.dtype not in DTYPES:
         print(
@@ -117,7 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (UsageError, ModelLoadError, UnsupportedModelError, FileNotFoundError) as e:
+    except (
+        UsageError,
+        ModelLoadError,
+        UnsupportedModelError,
+        FileNotFoundError,
+        WorkflowError,
+    ) as e:
         print(f"kvcmas: error: {e}", file=sys.stderr)
         return 2
 

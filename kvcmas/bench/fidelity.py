@@ -1,0 +1,106 @@
+"""Fidelity of a hop's context KV against NonShared's dense KV of the same token sequence.
+
+The reference model may differ in dtype from the method's (fp32 by default), so NonShared
+run in bf16 with a comparison measures the numerical noise floor (METHOD.md section 2, rule 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcmas.kv.cache import KVCache
+from kvcmas.model.generate import greedy_decode
+from kvcmas.model.transformer import Transformer
+
+
+@dataclass
+class HopFidelity:
+    kv_rel_error: float  # over K and V of every prompt position after the system prefix
+    k_rel_error: float
+    v_rel_error: float
+    k_rel_error_per_layer: list[float]
+    v_rel_error_per_layer: list[float]
+    first_token_kl: float
+    continuation_kl: float  # mean KL along the reference's own greedy output, teacher-forced
+    same_output: bool
+    reference_output: list[int]
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || other) per row, from float logits."""
+    ref = F.log_softmax(ref_logits.float(), dim=-1)
+    other = F.log_softmax(logits.float(), dim=-1)
+    return (ref.exp() * (ref - other)).sum(-1)
+
+
+def relative_errors(
+    approx: torch.Tensor, ref: torch.Tensor
+) -> tuple[float, list[float], torch.Tensor, torch.Tensor]:
+    """Overall and per-layer ||a - r|| / ||r|| of ``[L, H, T, Dh]`` tensors (float32)."""
+    diff = (approx.float() - ref.float()).pow(2).sum(dim=(1, 2, 3))
+    norm = ref.float().pow(2).sum(dim=(1, 2, 3))
+    per_layer = (diff / norm.clamp_min(1e-30)).sqrt().tolist()
+    return float((diff.sum() / norm.sum()).sqrt()), per_layer, diff, norm
+
+
+def teacher_forced_logits(
+    model: Transformer,
+    cache: KVCache,
+    prompt_len: int,
+    first_logits: torch.Tensor,
+    tokens: list[int],
+) -> torch.Tensor:
+    """Logits predicting each of ``tokens`` given the prompt and the tokens before it."""
+    cache.truncate(prompt_len)
+    rows = [first_logits[None]]
+    if len(tokens) > 1:
+        ids = torch.tensor(tokens[:-1])
+        pos = torch.arange(prompt_len, prompt_len + len(ids))
+        rows.append(model.forward(ids, pos, cache, logits_rows=slice(None)).logits)
+    cache.truncate(prompt_len)
+    return torch.cat(rows)
+
+
+def hop_fidelity(
+    ref_model: Transformer,
+    ref_prefix: KVCache,
+    prompt: list[int],
+    method_model: Transformer,
+    method_cache: KVCache,
+    method_first_logits: torch.Tensor,
+    method_output: list[int],
+    max_new_tokens: int,
+    stop: set[int],
+) -> HopFidelity:
+    """Compare a method's prompt cache with a dense reference prefill of the same tokens.
+
+    ``method_cache`` must hold the prompt (it is truncated back to it); ``ref_prefix`` holds
+    the reference model's system prefix and is not modified.
+    """
+    prefix_len, n = ref_prefix.length, len(prompt)
+    ref = ref_prefix.clone()
+    ref_logits = ref_model.prefill(prompt[prefix_len:], ref)
+    ref_k, ref_v = ref.k[:, :, prefix_len:n], ref.v[:, :, prefix_len:n]
+    mk, mv = method_cache.k[:, :, prefix_len:n], method_cache.v[:, :, prefix_len:n]
+    k_err, k_layers, k_diff, k_norm = relative_errors(mk, ref_k)
+    v_err, v_layers, v_diff, v_norm = relative_errors(mv, ref_v)
+    both = float(((k_diff.sum() + v_diff.sum()) / (k_norm.sum() + v_norm.sum())).sqrt())
+    ref_out = greedy_decode(ref_model, ref, ref_logits, max_new_tokens, stop, feed_last=False)
+    forced = ref_out.tokens or [int(ref_logits.argmax())]
+    ref_rows = teacher_forced_logits(ref_model, ref, n, ref_logits, forced)
+    method_rows = teacher_forced_logits(method_model, method_cache, n, method_first_logits, forced)
+    kl = kl_divergence(ref_rows, method_rows)
+    return HopFidelity(
+        kv_rel_error=both,
+        k_rel_error=k_err,
+        v_rel_error=v_err,
+        k_rel_error_per_layer=k_layers,
+        v_rel_error_per_layer=v_layers,
+        first_token_kl=float(kl[0]),
+        continuation_kl=float(kl.mean()),
+        same_output=ref_out.tokens == method_output,
+        reference_output=ref_out.tokens,
+    )

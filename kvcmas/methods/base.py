@@ -1,0 +1,166 @@
+"""The interface every reuse method implements, and the records it reports.
+
+A method builds one hop's context KV from the hop's segments on top of the agent's cached
+system prefix (METHOD.md section 2, rule 2). Private segments are prefilled densely here for
+every method (rule 3); a method decides only how each shared segment gets its K/V, given the
+caches that earlier hops hold of it (its *sources*).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvcmas.chat import Segment
+from kvcmas.kv.cache import KVCache
+from kvcmas.kv.segment import SegmentKV, place_segment
+from kvcmas.model.transformer import Transformer
+
+
+@dataclass
+class SharedSegment:
+    """One shared segment of a request and the caches earlier hops hold of it.
+
+    ``origin`` is exact: for an agent output, the producer's decode cache; for the query or a
+    supplied input, the cache of its first consumer (which prefilled it densely). ``latest``
+    is the cache held by the most recent hop that had the segment in its context, corrected
+    or not: the source of chained correction (METHOD.md section 4.1).
+    """
+
+    slot: str
+    kind: str  # "query", "agent" or "input"
+    tokens: tuple[int, ...]
+    origin: SegmentKV | None = None
+    origin_agent: str | None = None
+    latest: SegmentKV | None = None
+    latest_agent: str | None = None
+
+    def record(self, agent: str, kv: SegmentKV) -> None:
+        if self.origin is None:
+            self.origin, self.origin_agent = kv, agent
+        self.latest, self.latest_agent = kv, agent
+
+    def nbytes(self) -> int:
+        held = {id(x): x for x in (self.origin, self.latest) if x is not None}
+        return sum(x.nbytes() for x in held.values())
+
+
+@dataclass
+class Hop:
+    """One agent call: its segments (the first is the cached system prefix) and shared state."""
+
+    agent: str
+    request_index: int
+    step: int  # position of this hop in the request's execution order
+    segments: list[Segment]
+    shared: dict[str, SharedSegment]
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.segments[0])
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.segments for t in s.tokens]
+
+
+@dataclass
+class SegmentRecord:
+    """What a method did for one segment of a hop."""
+
+    slot: str | None  # None for private text
+    kind: str  # "private", "query", "agent", "input"
+    start: int
+    length: int
+    decision: str  # "dense", "reuse" (all layers reused) or "partial" (some pairs recomputed)
+    computed_pairs: int  # (token, layer) pairs computed through the model for this segment
+    entropy: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
+
+
+@dataclass
+class HopBuild:
+    cache: KVCache  # the full prompt's KV
+    last_logits: torch.Tensor  # float32 logits of the prompt's last token
+    records: list[SegmentRecord]
+
+
+class Method(ABC):
+    """A way of building a hop's context KV. Instances live across requests (pools persist)."""
+
+    name: ClassVar[str]
+
+    def params(self) -> dict[str, Any]:
+        """The method's parameters, reported with every result."""
+        return {}
+
+    def memory_bytes(self) -> int:
+        """Bytes of state the method keeps across hops (anchor pools, saved hidden states)."""
+        return 0
+
+    def build(self, hop: Hop, model: Transformer, cache: KVCache) -> HopBuild:
+        """Extend ``cache`` (holding the system prefix) with the rest of the hop's prompt."""
+        records: list[SegmentRecord] = []
+        logits = None
+        for seg in hop.segments[1:]:
+            if len(seg) == 0:  # e.g. an agent that answered nothing
+                continue
+            if seg.shared:
+                records.append(self.build_shared(hop, seg, hop.shared[seg.slot], model, cache))
+                logits = None
+            else:
+                start = cache.length
+                logits = model.prefill(seg.tokens, cache)
+                records.append(
+                    SegmentRecord(
+                        None, "private", start, len(seg), "dense", len(seg) * model.config.n_layers
+                    )
+                )
+        if logits is None:
+            raise ValueError("a hop's prompt must end with private text (the generation prompt)")
+        return HopBuild(cache, logits, records)
+
+    @abstractmethod
+    def build_shared(
+        self, hop: Hop, seg: Segment, shared: SharedSegment, model: Transformer, cache: KVCache
+    ) -> SegmentRecord:
+        """Append the K/V of shared segment ``seg`` to ``cache`` and say how."""
+
+    def after_hop(self, hop: Hop, build: HopBuild) -> None:  # noqa: B027 - optional hook
+        """Off the critical path, after the first token (anchor construction may go here)."""
+
+
+def dense_shared(
+    seg: Segment,
+    shared: SharedSegment,
+    model: Transformer,
+    cache: KVCache,
+    entropy: float | None = None,
+) -> SegmentRecord:
+    """Prefill a shared segment densely in the hop's context built so far."""
+    start = cache.length
+    model.prefill(seg.tokens, cache)
+    return SegmentRecord(
+        seg.slot, shared.kind, start, len(seg), "dense", len(seg) * model.config.n_layers, entropy
+    )
+
+
+def reuse_shared(
+    seg: Segment,
+    shared: SharedSegment,
+    kv: SegmentKV,
+    model: Transformer,
+    cache: KVCache,
+    **details: Any,
+) -> SegmentRecord:
+    """Place a canonical-frame cache of the segment at the hop's position, all layers reused."""
+    if len(kv) != len(seg):
+        raise ValueError(f"source of slot {seg.slot!r} has {len(kv)} tokens, segment {len(seg)}")
+    start = place_segment(cache, kv, model.inv_freq)
+    return SegmentRecord(seg.slot, shared.kind, start, len(seg), "reuse", 0, details=details)

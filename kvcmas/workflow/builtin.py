@@ -1,0 +1,88 @@
+"""Built-in workflows. Slots start a line so that per-segment tokenization equals joint."""
+
+from __future__ import annotations
+
+from kvcmas.workflow.spec import AgentSpec, Workflow
+
+
+def roster(
+    name: str = "roster",
+    roles: tuple[tuple[str, str, str], ...] | None = None,
+    decider: tuple[str, str, str] | None = None,
+    task_tokens: int = 48,
+    final_tokens: int = 64,
+) -> Workflow:
+    """The paper's shape: three task agents, then a reflection agent that reads all three.
+
+    Each task agent reads the query and the outputs of the task agents before it, so agent
+    outputs are shared segments consumed by every later agent. ``roles`` gives
+    ``(name, system prompt, instruction)`` per task agent.
+    """
+    roles = roles or (
+        (
+            "analyst",
+            "You are a precise analyst. You identify what a question is really asking.",
+            "State the key facts needed to answer it, in two sentences.",
+        ),
+        (
+            "solver",
+            "You are a careful problem solver who reasons step by step.",
+            "Answer the question, building on the notes above.",
+        ),
+        (
+            "checker",
+            "You are a skeptical reviewer who looks for mistakes.",
+            "Point out any error in the notes above and give the corrected answer.",
+        ),
+    )
+    decider = decider or (
+        "decider",
+        "You are the final decision maker. You weigh the team's notes and answer.",
+        "Give the final answer in one or two sentences.",
+    )
+    agents, earlier = [], []
+    for agent_name, system, instruction in (*roles, decider):
+        notes = "".join(f"\n\nNotes from the {e}:\n{{{e}}}" for e in earlier)
+        budget = final_tokens if agent_name == decider[0] else task_tokens
+        agents.append(
+            AgentSpec(agent_name, system, f"Question:\n{{query}}{notes}\n\n{instruction}", budget)
+        )
+        earlier.append(agent_name)
+    return Workflow(name=name, agents=tuple(agents), final=decider[0])
+
+
+def chain4() -> Workflow:
+    """Four agents in a chain: each reads the question and the previous agent's output."""
+    steps = (
+        (
+            "planner",
+            "You are a planner. You outline how to approach a question.",
+            "Write a short plan for answering it.",
+        ),
+        (
+            "researcher",
+            "You are a researcher. You recall the facts a plan needs.",
+            "Carry out the plan and list the relevant facts.",
+        ),
+        (
+            "writer",
+            "You are a writer. You turn notes into a clear answer.",
+            "Write the answer from these notes.",
+        ),
+        (
+            "editor",
+            "You are an editor. You make answers correct and concise.",
+            "Give the final, corrected answer in one or two sentences.",
+        ),
+    )
+    agents, previous = [], None
+    for name, system, instruction in steps:
+        context = f"\n\nThe {previous} wrote:\n{{{previous}}}" if previous else ""
+        agents.append(
+            AgentSpec(name, system, f"Question:\n{{query}}{context}\n\n{instruction}", 48)
+        )
+        previous = name
+    return Workflow(name="chain4", agents=tuple(agents), final="editor")
+
+
+BUILTIN_WORKFLOWS = {"roster": roster, "chain4": chain4}

@@ -1,0 +1,163 @@
+"""Workflow definitions: agents with role prompts and slotted templates, forming a DAG.
+
+A template names slots as ``{query}`` (the user's question), ``{<agent name>}`` (that agent's
+output) and ``{<anything else>}`` (an input supplied with the request). The references define
+the DAG; execution follows a topological order that keeps the file's order where it can.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcmas.chat import slot_names
+
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+QUERY = "query"
+DEFAULT_MAX_NEW_TOKENS = 128
+_WORKFLOW_KEYS = {"name", "final", "agents"}
+_AGENT_KEYS = {"name", "system", "prompt", "max_new_tokens"}
+
+
+class WorkflowError(ValueError):
+    """A workflow or request that cannot run; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    name: str
+    system: str
+    prompt: str
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+
+    @property
+    def slots(self) -> list[str]:
+        return list(dict.fromkeys(slot_names(self.prompt)))
+
+
+@dataclass(frozen=True)
+class Workflow:
+    name: str
+    agents: tuple[AgentSpec, ...]
+    final: str
+    order: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "order", self._validate())
+
+    def agent(self, name: str) -> AgentSpec:
+        return next(a for a in self.agents if a.name == name)
+
+    @property
+    def agent_names(self) -> set[str]:
+        return {a.name for a in self.agents}
+
+    def inputs(self) -> list[str]:
+        """Slots that the request must supply (everything that is not an agent's output)."""
+        names = self.agent_names
+        seen = dict.fromkeys(s for a in self.agents for s in a.slots if s not in names)
+        return list(seen)
+
+    def slot_kind(self, slot: str) -> str:
+        if slot == QUERY:
+            return "query"
+        return "agent" if slot in self.agent_names else "input"
+
+    def _validate(self) -> tuple[str, ...]:
+        if not self.agents:
+            raise WorkflowError(f"workflow {self.name!r} has no agents")
+        names = [a.name for a in self.agents]
+        for a in self.agents:
+            if not NAME.match(a.name):
+                raise WorkflowError(f"agent name {a.name!r} is not a valid slot name")
+            if a.name == QUERY:
+                raise WorkflowError("an agent may not be named 'query': that slot is the question")
+            if a.max_new_tokens < 1:
+                raise WorkflowError(f"agent {a.name!r}: max_new_tokens must be at least 1")
+            if a.name in a.slots:
+                raise WorkflowError(f"cycle: agent {a.name!r} reads its own output")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise WorkflowError(f"duplicate agent names: {', '.join(dupes)}")
+        if self.final not in names:
+            raise WorkflowError(f"final agent {self.final!r} is not one of the agents")
+        return self._topological_order()
+
+    def _topological_order(self) -> tuple[str, ...]:
+        deps = {a.name: [s for s in a.slots if s in self.agent_names] for a in self.agents}
+        done: list[str] = []
+        while len(done) < len(deps):
+            ready = [n for n in deps if n not in done and all(d in done for d in deps[n])]
+            if not ready:
+                stuck = sorted(n for n in deps if n not in done)
+                raise WorkflowError(f"cycle among agents: {', '.join(stuck)}")
+            done.append(ready[0])  # earliest in file order: deterministic
+        return tuple(done)
+
+    def check_request(self, request: dict) -> None:
+        missing = [s for s in self.inputs() if s not in request]
+        if missing:
+            raise WorkflowError(
+                f"request lacks input(s) {', '.join(missing)} required by workflow {self.name!r}"
+            )
+
+
+def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{source}: expected a mapping with keys name, final, agents")
+    unknown = set(data) - _WORKFLOW_KEYS
+    if unknown:
+        raise WorkflowError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}")
+    for key in ("final", "agents"):
+        if key not in data:
+            raise WorkflowError(f"{source}: missing key {key!r}")
+    agents = []
+    for i, a in enumerate(data["agents"] or []):
+        if not isinstance(a, dict):
+            raise WorkflowError(f"{source}: agent #{i + 1} is not a mapping")
+        bad = set(a) - _AGENT_KEYS
+        if bad:
+            raise WorkflowError(
+                f"{source}: agent #{i + 1}: unknown key(s) {', '.join(sorted(bad))}"
+            )
+        for key in ("name", "system", "prompt"):
+            if key not in a:
+                raise WorkflowError(f"{source}: agent #{i + 1} lacks {key!r}")
+        agents.append(
+            AgentSpec(
+                name=str(a["name"]),
+                system=str(a["system"]),
+                prompt=str(a["prompt"]),
+                max_new_tokens=int(a.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+            )
+        )
+    return Workflow(
+        name=str(data.get("name", source)), agents=tuple(agents), final=str(data["final"])
+    )
+
+
+def load_workflow(name_or_path: str) -> Workflow:
+    """A built-in workflow by name, or a YAML / JSON file."""
+    from kvcmas.workflow.builtin import BUILTIN_WORKFLOWS
+
+    if name_or_path in BUILTIN_WORKFLOWS:
+        return BUILTIN_WORKFLOWS[name_or_path]()
+    path = Path(name_or_path)
+    if not path.exists():
+        known = ", ".join(sorted(BUILTIN_WORKFLOWS))
+        raise WorkflowError(
+            f"no built-in workflow or file named {name_or_path!r} (built-in: {known})"
+        )
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise WorkflowError(f"{path}: not valid YAML: {e}") from None
+    return workflow_from_dict(data, source=str(path))
