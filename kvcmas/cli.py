@@ -143,6 +143,24 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tau", dest="m_tau", type=float)
     g.add_argument("--min-anchors", dest="m_min_anchors", type=int)
     g.add_argument("--no-chain", dest="m_chain", action="store_const", const=False)
+    g.add_argument("--ratio", dest="m_ratio", type=float, help="CacheBlend recompute ratio")
+    g.add_argument("--check-layer", dest="m_check_layer", type=int, help="CacheBlend check layer")
+    g.add_argument(
+        "--select-by",
+        dest="m_select_by",
+        choices=["value", "key"],
+        help="CacheBlend deviation on values (released code) or keys",
+    )
+    g.add_argument("--block", dest="m_block", help="DroidSpeak recomputed layers START:END")
+    g.add_argument("--relay-layers", dest="m_layers", help="RelayCaching bands L_START:L_DET:L_END")
+    g.add_argument("--tau-dev", dest="m_tau_dev", type=float)
+    g.add_argument("--tau-inf", dest="m_tau_inf", type=float)
+    g.add_argument(
+        "--residual-topk",
+        dest="m_residual_topk",
+        type=int,
+        help="GraphFlow sparse residual tokens per (slot, consumer) path",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
