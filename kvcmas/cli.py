@@ -163,6 +163,39 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcmas.bench.compare import compare, write_report
+    from kvcmas.bench.requests import load_requests
+    from kvcmas.methods import METHODS
+    from kvcmas.workflow.spec import load_workflow
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UsageError(
+            f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}"
+        )
+    workflow = load_workflow(args.workflow)
+    requests = load_requests(args.requests, args.limit)
+    for r in requests:
+        workflow.check_request(r)
+    report = compare(
+        args.model,
+        args.dtype,
+        workflow,
+        requests,
+        methods,
+        method_params(args),
+        noise_floor=not args.no_noise_floor,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    write_report(report, Path(args.out))
+    print((Path(args.out) / "table.md").read_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcmas", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -201,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--repeats", type=int, default=3)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_bench_forward)
+
+    c = bsub.add_parser("compare", help="methods side by side on one request stream")
+    c.add_argument("--workflow", default="roster")
+    c.add_argument(
+        "--requests", required=True, help="a JSONL file, or a dataset name (mmlu, gsm8k, humaneval)"
+    )
+    c.add_argument("--methods", default="nonshared,fullshared,kvcomm,kvcmas")
+    c.add_argument("--limit", type=int, default=None)
+    c.add_argument("--out", required=True)
+    c.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-in-bf16 row")
+    add_model_args(c)
+    add_method_args(c)
+    c.set_defaults(func=cmd_bench_compare)
     return p
 
 

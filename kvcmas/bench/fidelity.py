@@ -27,6 +27,7 @@ class HopFidelity:
     continuation_kl: float  # mean KL along the reference's own greedy output, teacher-forced
     same_output: bool
     reference_output: list[int]
+    segment_errors: list[float]  # K and V relative error of each shared segment, in order
 
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,7 @@ def hop_fidelity(
     method_output: list[int],
     max_new_tokens: int,
     stop: set[int],
+    shared_spans: list[tuple[int, int]] = (),
 ) -> HopFidelity:
     """Compare a method's prompt cache with a dense reference prefill of the same tokens.
 
@@ -88,6 +90,12 @@ def hop_fidelity(
     k_err, k_layers, k_diff, k_norm = relative_errors(mk, ref_k)
     v_err, v_layers, v_diff, v_norm = relative_errors(mv, ref_v)
     both = float(((k_diff.sum() + v_diff.sum()) / (k_norm.sum() + v_norm.sum())).sqrt())
+    segment_errors = []
+    for a, b in shared_spans:
+        num = (method_cache.k[:, :, a:b].float() - ref.k[:, :, a:b].float()).pow(2).sum()
+        num += (method_cache.v[:, :, a:b].float() - ref.v[:, :, a:b].float()).pow(2).sum()
+        den = ref.k[:, :, a:b].float().pow(2).sum() + ref.v[:, :, a:b].float().pow(2).sum()
+        segment_errors.append(float((num / den).sqrt()))
     ref_out = greedy_decode(ref_model, ref, ref_logits, max_new_tokens, stop, feed_last=False)
     forced = ref_out.tokens or [int(ref_logits.argmax())]
     ref_rows = teacher_forced_logits(ref_model, ref, n, ref_logits, forced)
@@ -103,4 +111,5 @@ def hop_fidelity(
         continuation_kl=float(kl.mean()),
         same_output=ref_out.tokens == method_output,
         reference_output=ref_out.tokens,
+        segment_errors=segment_errors,
     )

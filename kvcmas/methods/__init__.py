@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from kvcmas.methods.base import Method
 from kvcmas.methods.fullshared import FullShared
+from kvcmas.methods.kvcmas import KVCMAS, KVCOMM
 from kvcmas.methods.nonshared import NonShared
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (NonShared, FullShared)}
+METHODS: dict[str, type[Method]] = {
+    m.name: m
+    for m in (
+        NonShared,
+        FullShared,
+        KVCMAS,
+        KVCOMM,
+    )
+}
 
 
 def make_method(name: str, **params) -> Method:

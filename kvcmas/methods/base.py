@@ -135,6 +135,16 @@ class Method(ABC):
     def after_hop(self, hop: Hop, build: HopBuild) -> None:  # noqa: B027 - optional hook
         """Off the critical path, after the first token (anchor construction may go here)."""
 
+    def decode_capture_layers(self) -> tuple[int, ...]:
+        """Layers whose hidden input the runner captures for an agent's output tokens while
+        decoding them (DroidSpeak's and RelayCaching's saved hidden states); none by default."""
+        return ()
+
+    def after_decode(  # noqa: B027 - optional hook
+        self, hop: Hop, captured: dict[int, torch.Tensor]
+    ) -> None:
+        """Receives ``layer -> [n_output_tokens, hidden]`` for ``decode_capture_layers()``."""
+
 
 def dense_shared(
     seg: Segment,
@@ -149,6 +159,14 @@ def dense_shared(
     return SegmentRecord(
         seg.slot, shared.kind, start, len(seg), "dense", len(seg) * model.config.n_layers, entropy
     )
+
+
+def standalone_prefill(model: Transformer, tokens: tuple[int, ...]) -> SegmentKV:
+    """A context-free cache of ``tokens``: prefilled alone from position 0 (no prefix)."""
+    cache = model.new_cache(capacity=len(tokens))
+    model.prefill(list(tokens), cache)
+    k, v = cache.span(0, len(tokens))
+    return SegmentKV(k, v)
 
 
 def reuse_shared(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ class Decoded:
     tokens: list[int]  # generated ids, stop token excluded
     hit_stop: bool
     first_logits: torch.Tensor  # float32 logits that chose the first token
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, hidden]
 
 
 def stop_ids(loaded) -> set[int]:
@@ -38,15 +39,18 @@ def greedy_decode(
     max_new_tokens: int,
     stop: set[int],
     feed_last: bool = True,
+    capture: tuple[int, ...] = (),
 ) -> Decoded:
     """Decode greedily from ``logits`` (the prompt's last-token logits), appending to ``cache``.
 
     With ``feed_last`` the final generated token is also run through the model when the budget
     ends generation, so the cache then holds K/V for every output token: an agent output's
-    cache in its producer is complete and exact (METHOD.md section 2, rule 4).
+    cache in its producer is complete and exact (METHOD.md section 2, rule 4). ``capture``
+    names layers whose hidden input is kept for every fed token (``Decoded.captured``).
     """
     first = logits
     tokens: list[int] = []
+    kept: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture}
     hit_stop = False
     for step in range(max_new_tokens):
         nxt = int(torch.argmax(logits))
@@ -56,5 +60,13 @@ def greedy_decode(
         tokens.append(nxt)
         if step == max_new_tokens - 1 and not feed_last:
             break
-        logits = model.prefill([nxt], cache)
-    return Decoded(tokens=tokens, hit_stop=hit_stop, first_logits=first)
+        if not capture:
+            logits = model.prefill([nxt], cache)
+            continue
+        pos = torch.tensor([cache.length])
+        out = model.forward(torch.tensor([nxt]), pos, cache, capture=capture)
+        logits = out.logits[-1]
+        for layer in capture:
+            kept[layer].append(out.captured[layer])
+    captured = {layer: torch.cat(rows) for layer, rows in kept.items() if rows}
+    return Decoded(tokens=tokens, hit_stop=hit_stop, first_logits=first, captured=captured)

@@ -102,6 +102,15 @@ class RequestResult:
         return d
 
 
+def publish_sources(hop: Hop, build, model) -> None:
+    """After a hop, its cache of each shared segment becomes that segment's latest source."""
+    for rec in build.records:
+        if rec.slot is not None:
+            end = rec.start + rec.length
+            kv = SegmentKV.from_cache(build.cache, rec.start, end, model.inv_freq)
+            hop.shared[rec.slot].record(hop.agent, kv)
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -191,19 +200,19 @@ class Runner:
         int(torch.argmax(build.last_logits))  # the first token is known here
         ttft = time.perf_counter() - start
 
-        out = greedy_decode(model, cache, build.last_logits, agent.max_new_tokens, self.stop)
+        capture = self.method.decode_capture_layers()
+        out = greedy_decode(
+            model, cache, build.last_logits, agent.max_new_tokens, self.stop, capture=capture
+        )
+        if capture:
+            self.method.after_decode(hop, out.captured)
         n = len(prompt)
         produced = SharedSegment(agent.name, "agent", tuple(out.tokens))
         produced.record(
             agent.name, SegmentKV.from_cache(cache, n, n + len(out.tokens), model.inv_freq)
         )
         if not isinstance(self.method, NonShared):  # NonShared never reads sources
-            for rec in build.records:
-                if rec.slot is not None:
-                    kv = SegmentKV.from_cache(
-                        cache, rec.start, rec.start + rec.length, model.inv_freq
-                    )
-                    shared[rec.slot].record(agent.name, kv)
+            publish_sources(hop, build, model)
         self.method.after_hop(hop, build)
         cache.truncate(n)
         latency = time.perf_counter() - start
@@ -224,6 +233,7 @@ class Runner:
                     out.tokens,
                     agent.max_new_tokens,
                     self.stop,
+                    [(r.start, r.start + r.length) for r in build.records if r.slot is not None],
                 )
             )
         shared[agent.name] = produced

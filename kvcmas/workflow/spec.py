@@ -125,12 +125,17 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
         for key in ("name", "system", "prompt"):
             if key not in a:
                 raise WorkflowError(f"{source}: agent #{i + 1} lacks {key!r}")
+        budget = a.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise WorkflowError(
+                f"{source}: agent #{i + 1}: max_new_tokens must be an integer, not {budget!r}"
+            )
         agents.append(
             AgentSpec(
                 name=str(a["name"]),
                 system=str(a["system"]),
                 prompt=str(a["prompt"]),
-                max_new_tokens=int(a.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+                max_new_tokens=budget,
             )
         )
     return Workflow(
@@ -152,12 +157,16 @@ def load_workflow(name_or_path: str) -> Workflow:
         )
     text = path.read_text()
     if path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkflowError(f"{path}: not valid JSON: {e}") from None
     else:
         import yaml
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise WorkflowError(f"{path}: not valid YAML: {e}") from None
+            detail = " ".join(str(e).split())  # one line: the CLI prints errors as one line
+            raise WorkflowError(f"{path}: not valid YAML: {detail}") from None
     return workflow_from_dict(data, source=str(path))

@@ -1,0 +1,163 @@
+"""The anchor pool shared by KVCMAS and KVCOMM (METHOD.md sections 4.2-4.5).
+
+An anchor remembers, for one (slot, consumer) edge, a source cache X of some earlier content
+(the *base*) and how the consumer's dense cache differed from it (the *delta*). A new source
+is matched against the bases token by token; the deltas of close anchors, weighted by a
+softmax over scale-free distances, estimate the new correction. All tensors here are
+``[L-1, n, D]`` matrices over layers 1..L-1 in the canonical frame, float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcmas.kv.lowrank import Factors, factorize
+
+
+@dataclass
+class Anchor:
+    base_k: Factors
+    base_v: Factors
+    delta_k: Factors
+    delta_v: Factors
+    created: int  # pool step at creation: the age used by eviction
+    uses: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.base_k.length
+
+    def nbytes(self) -> int:
+        return sum(f.nbytes() for f in (self.base_k, self.base_v, self.delta_k, self.delta_v))
+
+
+@dataclass
+class Match:
+    """The outcome of matching one source against a pool."""
+
+    anchors: list[int]  # indices of the anchors that took part
+    token_weights: torch.Tensor  # [A, n]: per-token softmax over covering anchors (0 elsewhere)
+    span_weights: torch.Tensor  # [A]: softmax of span-level distances
+    span_distance: torch.Tensor  # [A]
+    entropy: float  # normalized entropy of span_weights in [0, 1]
+
+
+@dataclass
+class PoolConfig:
+    capacity: int = 10  # V
+    delta_rank: int | None = 32  # r for deltas; None = full dimension
+    base_rank: int | None = 32  # r for bases; None = full dimension
+    temperature: float = 0.05  # T
+    eviction: str = "least-used"  # or "kvcomm": least used among the 5 oldest
+    full_cover_only: bool = False  # KVCOMM: only anchors at least as long as the source
+    seed: int = 0
+
+
+@dataclass
+class AnchorPool:
+    config: PoolConfig
+    anchors: list[Anchor] = field(default_factory=list)
+    steps: int = 0
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes() for a in self.anchors)
+
+    def add(
+        self, x_k: torch.Tensor, x_v: torch.Tensor, y_k: torch.Tensor, y_v: torch.Tensor
+    ) -> None:
+        """Record an anchor from source X and dense Y (``[L-1, n, D]`` each)."""
+        c = self.config
+        seed = c.seed + self.steps  # deterministic: same inputs in the same order, same factors
+        anchor = Anchor(
+            base_k=factorize(x_k, c.base_rank, seed),
+            base_v=factorize(x_v, c.base_rank, seed + 1),
+            delta_k=factorize(y_k - x_k, c.delta_rank, seed + 2),
+            delta_v=factorize(y_v - x_v, c.delta_rank, seed + 3),
+            created=self.steps,
+        )
+        self.steps += 1
+        if len(self.anchors) >= c.capacity:
+            self.anchors.pop(self._victim())
+        self.anchors.append(anchor)
+
+    def _victim(self) -> int:
+        candidates = list(range(len(self.anchors)))
+        if self.config.eviction == "kvcomm":
+            candidates = sorted(candidates, key=lambda i: self.anchors[i].created)[:5]
+        # Lowest use count; oldest first on ties.
+        return min(candidates, key=lambda i: (self.anchors[i].uses, self.anchors[i].created))
+
+    def eligible(self, n: int) -> list[int]:
+        if self.config.full_cover_only:
+            return [i for i, a in enumerate(self.anchors) if a.length >= n]
+        return list(range(len(self.anchors)))
+
+    def match(self, x_k: torch.Tensor, x_v: torch.Tensor) -> Match | None:
+        """Scale-free, position-aligned distances of source X to every eligible anchor's base.
+
+        Bases are reconstructed one anchor at a time, only for the tokens they share with X.
+        """
+        n = x_k.shape[1]
+        idx = self.eligible(n)
+        if not idx:
+            return None
+        t_ = self.config.temperature
+        # Per-token |X| averaged over layers and channels: the distances' scale.
+        scale_k = x_k.abs().mean(dim=(0, 2)).clamp_min(1e-12)
+        scale_v = x_v.abs().mean(dim=(0, 2)).clamp_min(1e-12)
+        dist = torch.full((len(idx), n), float("inf"))
+        span = torch.empty(len(idx))
+        for j, i in enumerate(idx):
+            a = self.anchors[i]
+            m = min(n, a.length)
+            dk = (x_k[:, :m] - a.base_k.rows(m)).abs().mean(dim=(0, 2)) / scale_k[:m]
+            dv = (x_v[:, :m] - a.base_v.rows(m)).abs().mean(dim=(0, 2)) / scale_v[:m]
+            dist[j, :m] = 0.5 * (dk + dv)
+            span[j] = dist[j, :m].mean()
+        token_w = torch.softmax(-dist / t_, dim=0).nan_to_num(0.0)  # uncovered tokens: all -inf
+        span_w = torch.softmax(-span / t_, dim=0)
+        ent = -(span_w * span_w.clamp_min(1e-30).log()).sum().item()
+        entropy = ent / math.log(len(idx)) if len(idx) > 1 else 0.0
+        return Match(idx, token_w, span_w, span, entropy)
+
+    def correction(self, match: Match, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted deltas ``[L-1, n, D]`` for K and V.
+
+        With low-rank deltas this is one batched GEMM per K/V over every layer: the weighted
+        ``A`` factors of all anchors are concatenated along the rank axis against the stacked
+        ``B`` factors. Tokens no anchor covers get zero correction.
+        """
+        return (
+            self._weighted(match, n, lambda a: a.delta_k),
+            self._weighted(match, n, lambda a: a.delta_v),
+        )
+
+    def _weighted(self, match: Match, n: int, pick) -> torch.Tensor:
+        parts_a, parts_b, full = [], [], None
+        for j, i in enumerate(match.anchors):
+            f = pick(self.anchors[i])
+            m = min(n, f.length)
+            w = match.token_weights[j, :m][None, :, None]
+            if f.b is None:
+                contrib = torch.zeros(f.a.shape[0], n, f.a.shape[2])
+                contrib[:, :m] = w * f.a[:, :m]
+                full = contrib if full is None else full + contrib
+                continue
+            a = f.a.new_zeros(f.a.shape[0], n, f.a.shape[2])
+            a[:, :m] = w * f.a[:, :m]
+            parts_a.append(a)
+            parts_b.append(f.b)
+        if parts_a:
+            low = torch.bmm(torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1))
+            full = low if full is None else full + low
+        return full
+
+    def count_uses(self, match: Match) -> None:
+        """A use is a reuse on which the anchor's span weight is at least 1/|A|."""
+        threshold = (1.0 - 1e-6) / len(match.anchors)  # a uniform weight counts as a use
+        for j, i in enumerate(match.anchors):
+            if match.span_weights[j] >= threshold:
+                self.anchors[i].uses += 1
