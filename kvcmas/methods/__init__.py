@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from kvcmas.methods.base import Method
+from kvcmas.methods.cacheblend import CacheBlend
+from kvcmas.methods.droidspeak import DroidSpeak
 from kvcmas.methods.fullshared import FullShared
+from kvcmas.methods.graphflow import GraphFlow
 from kvcmas.methods.kvcmas import KVCMAS, KVCOMM
 from kvcmas.methods.nonshared import NonShared
+from kvcmas.methods.relaycaching import RelayCaching
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -14,6 +18,10 @@ METHODS: dict[str, type[Method]] = {
         FullShared,
         KVCMAS,
         KVCOMM,
+        CacheBlend,
+        DroidSpeak,
+        RelayCaching,
+        GraphFlow,
     )
 }
 

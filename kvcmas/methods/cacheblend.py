@@ -1,0 +1,93 @@
+"""CacheBlend (Yao et al., EuroSys'25): reuse, then recompute the most deviating tokens.
+
+Per shared segment that has a source (METHOD.md section 5):
+
+1. place the source cache (canonical frame, re-rotated to the hop's positions);
+2. run layers ``0 .. check_layer`` for *all* shared tokens, writing their fresh K/V: those
+   layers are then exactly dense (layer 0 would be exact anyway, but CacheBlend runs it and
+   it is counted);
+3. score every token by ``sum((V_fresh - V_reused)^2)`` over heads and channels at the check
+   layer (``select_by="key"`` scores keys instead; both at the hop's positions);
+4. keep the top ``ceil(ratio * n)`` tokens and run layers ``check_layer+1 .. L-1`` for those
+   rows only, entering with their hidden output of the check layer from step 2 (the exact
+   dense state, since every token ran every layer up to there). They attend with the exact
+   causal mask to the prefix, to the fresh K/V of selected tokens and to the reused K/V of
+   the rest. Private tokens after the segment are prefilled densely by the base class.
+
+``computed_pairs = n * (check_layer + 1) + k * (L - check_layer - 1)``.
+
+Interpretation at the ends of the ``ratio`` range:
+
+* ``ratio=1`` selects every token: the segment equals NonShared's dense cache.
+* ``ratio=0`` selects nothing, so the check-layer pass (whose only use is choosing tokens)
+  is skipped too: no pair is computed and the cache equals FullShared's exactly. With any
+  ``ratio > 0`` at least one token is selected and layers ``0..check_layer`` are recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvcmas.methods.base import Method, SegmentRecord, dense_shared
+from kvcmas.methods.selective import place_source, recompute_record, segment_rows
+
+
+def selected_count(ratio: float, n: int) -> int:
+    """Tokens CacheBlend recomputes: ``ceil(ratio * n)`` (0 only for ratio 0)."""
+    return min(n, math.ceil(ratio * n - 1e-9))
+
+
+class CacheBlend(Method):
+    name = "cacheblend"
+
+    def __init__(self, ratio: float = 0.15, check_layer: int = 1, select_by: str = "value"):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        if check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {check_layer}")
+        if select_by not in ("value", "key"):
+            raise ValueError(f"select_by must be 'value' or 'key', got {select_by!r}")
+        self.ratio = float(ratio)
+        self.check_layer = int(check_layer)
+        self.select_by = select_by
+
+    def params(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "check_layer": self.check_layer, "select_by": self.select_by}
+
+    def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
+        if shared.latest is None:
+            return dense_shared(seg, shared, model, cache)
+        n_layers, c = model.config.n_layers, self.check_layer
+        if c >= n_layers:
+            raise ValueError(f"check_layer {c} is not below the model's {n_layers} layers")
+        start = place_source(seg, shared, model, cache)
+        n = len(seg)
+        k = selected_count(self.ratio, n)
+        details = {"selected": k, "check_layer": c}
+        if k == 0:
+            return recompute_record(seg, shared, start, 0, n_layers, **details)
+        rows = segment_rows(start, n)
+        reused = self._checked(cache, c, start, n).clone()
+        out = model.forward(
+            torch.tensor(seg.tokens), rows, cache, layers=range(c + 1), logits_rows=None
+        )
+        score = (self._checked(cache, c, start, n).float() - reused.float()).pow(2).sum((0, 2))
+        chosen = torch.topk(score, k).indices.sort().values
+        if c + 1 < n_layers:
+            model.forward(
+                None,
+                rows[chosen],
+                cache,
+                layers=range(c + 1, n_layers),
+                hidden=out.hidden[chosen],
+                logits_rows=None,
+            )
+        pairs = n * (c + 1) + k * (n_layers - c - 1)
+        return recompute_record(seg, shared, start, pairs, n_layers, **details)
+
+    def _checked(self, cache, layer: int, start: int, n: int) -> torch.Tensor:
+        store = cache.v if self.select_by == "value" else cache.k
+        return store[layer, :, start : start + n]

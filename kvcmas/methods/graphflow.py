@@ -1,0 +1,135 @@
+"""GraphFlow (ICML'26): a per-request context-free base plus a sparse residual per path.
+
+Per shared segment ``S`` in slot ``s`` of a hop of agent ``a`` (METHOD.md section 5):
+
+* the first consumer of ``S`` prefills it densely (rule 4: no source exists yet);
+* otherwise the **base** is a prefill of ``S`` alone from position 0 (no prefix: a full
+  prefill of the span on the critical path), placed at the hop's position;
+* a **residual** for the path ``(s, a)`` (slot name, consuming agent) is added when one is
+  known: the ``residual_topk`` tokens with the largest ``||Y_dense - base||`` (K and V over
+  all layers, heads and channels, canonical frame), recorded from an earlier dense hop of the
+  same path, stored as those token indices and their full K/V deltas. It is applied by token
+  index, only to indices below the segment's length.
+
+Interpretations (the public description is thin):
+
+* The first time a path is seen (with ``residual_topk > 0``) the hop prefills ``S`` densely
+  and records the path's residual; the base prefill needed for that runs after the first token
+  (``after_hop``), off the critical path, like anchor construction. Residuals persist across
+  requests (``memory_bytes()`` reports them) and are never refreshed.
+* ``residual_topk=0`` never records: every non-first consumer uses the base alone.
+* The base is computed once per request and segment, by the first hop that needs it (on
+  that hop's critical path, ``n * L`` pairs, decision "partial"); later hops of the request
+  place the same base (0 pairs, decision "reuse"). Bases of the current request are counted
+  in ``memory_bytes()``. A base computed to record a residual (after the first token) is
+  kept the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcmas.kv.segment import SegmentKV, place_segment
+from kvcmas.methods.base import (
+    Method,
+    SegmentRecord,
+    dense_shared,
+    standalone_prefill,
+)
+
+
+@dataclass
+class Residual:
+    """Sparse correction of one (slot, consumer) path: token indices and their K/V deltas."""
+
+    indices: torch.Tensor  # [k] sorted token indices
+    k: torch.Tensor  # [n_layers, n_kv_heads, k, head_dim], canonical frame
+    v: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.indices, self.k, self.v))
+
+    def apply(self, base: SegmentKV) -> int:
+        """Add the deltas of indices below ``len(base)`` to ``base`` in place; how many."""
+        keep = self.indices < len(base)
+        idx = self.indices[keep]
+        base.k[:, :, idx] += self.k[:, :, keep]
+        base.v[:, :, idx] += self.v[:, :, keep]
+        return int(keep.sum())
+
+
+def top_residual(dense: SegmentKV, base: SegmentKV, topk: int) -> Residual:
+    """The ``topk`` tokens of ``dense - base`` with the largest norm (all layers, K and V)."""
+    dk, dv = dense.k - base.k, dense.v - base.v
+    norms = dk.float().pow(2).sum((0, 1, 3)) + dv.float().pow(2).sum((0, 1, 3))
+    idx = torch.topk(norms, min(topk, len(dense))).indices.sort().values
+    return Residual(idx, dk[:, :, idx].clone(), dv[:, :, idx].clone())
+
+
+class GraphFlow(Method):
+    name = "graphflow"
+
+    def __init__(self, residual_topk: int = 16):
+        if residual_topk < 0:
+            raise ValueError(f"residual_topk must be >= 0, got {residual_topk}")
+        self.residual_topk = int(residual_topk)
+        self.residuals: dict[tuple[str, str], Residual] = {}
+        self._bases: dict[tuple[str, tuple[int, ...]], SegmentKV] = {}  # this request's
+        self._request: int | None = None
+        self._pending: list[tuple[tuple[str, str], int, tuple[int, ...]]] = []
+        self._model = None  # the model of the hop being built (for after_hop)
+
+    def params(self) -> dict[str, Any]:
+        return {"residual_topk": self.residual_topk}
+
+    def memory_bytes(self) -> int:
+        held = [r.nbytes() for r in self.residuals.values()]
+        return sum(held) + sum(b.nbytes() for b in self._bases.values())
+
+    def build(self, hop, model, cache):
+        if hop.request_index != self._request:
+            self._bases.clear()
+            self._request = hop.request_index
+        self._model = model
+        self._pending.clear()
+        return super().build(hop, model, cache)
+
+    def base(self, slot: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, bool]:
+        """This request's context-free base of ``tokens``; whether it was computed just now."""
+        key = (slot, tokens)
+        fresh = key not in self._bases
+        if fresh:
+            self._bases[key] = standalone_prefill(self._model, tokens)
+        return self._bases[key], fresh
+
+    def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
+        if shared.latest is None:
+            return dense_shared(seg, shared, model, cache)
+        path = (seg.slot, hop.agent)
+        residual = self.residuals.get(path)
+        if residual is None and self.residual_topk > 0:
+            self._pending.append((path, cache.length, seg.tokens))
+            rec = dense_shared(seg, shared, model, cache)
+            rec.details = {"records_residual": True}
+            return rec
+        base, fresh = self.base(seg.slot, seg.tokens)
+        kv = SegmentKV(base.k.clone(), base.v.clone())
+        applied = residual.apply(kv) if residual is not None else 0
+        start = place_segment(cache, kv, model.inv_freq)
+        n = len(seg)
+        pairs = n * model.config.n_layers if fresh else 0
+        details = {"base": "computed" if fresh else "cached", "residual_tokens": applied}
+        decision = "partial" if fresh else "reuse"
+        return SegmentRecord(seg.slot, shared.kind, start, n, decision, pairs, details=details)
+
+    def after_hop(self, hop, build) -> None:
+        """Record the residuals of paths seen for the first time in this hop (dense hops)."""
+        inv_freq = self._model.inv_freq
+        for path, start, tokens in self._pending:
+            dense = SegmentKV.from_cache(build.cache, start, start + len(tokens), inv_freq)
+            base, _ = self.base(path[0], tokens)
+            self.residuals[path] = top_residual(dense, base, self.residual_topk)
+        self._pending.clear()
