@@ -196,6 +196,23 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcmas.bench.data import ALL_DATASETS, default_data_dir, prepare_datasets
+
+    names = tuple(args.datasets.split(",")) if args.datasets else ALL_DATASETS
+    unknown = [n for n in names if n not in ALL_DATASETS]
+    if unknown:
+        raise UsageError(
+            f"unknown dataset(s) {', '.join(unknown)}: choose from {', '.join(ALL_DATASETS)}"
+        )
+    folder = Path(args.dir) if args.dir else default_data_dir()
+    manifest = prepare_datasets(folder, names, progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(manifest, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcmas", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     add_method_args(c)
     c.set_defaults(func=cmd_bench_compare)
+
+    from kvcmas.bench.experiments import register_all
+
+    register_all(bsub)
+
+    data = sub.add_parser("data", help="benchmark data")
+    dsub = data.add_subparsers(dest="action", required=True)
+    prep = dsub.add_parser("prepare", help="extract MMLU, GSM8K, HumanEval (+MBPP, ARC) offline")
+    prep.add_argument("--dir", default=None, help="data folder (default: ./data or $KVCMAS_DATA)")
+    prep.add_argument("--datasets", default=None, help="comma-separated names (default: all)")
+    prep.set_defaults(func=cmd_data_prepare)
     return p
 
 
@@ -261,16 +289,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kvcmas.bench.data import DataMissingError
     from kvcmas.model.config import UnsupportedModelError
     from kvcmas.model.loader import ModelLoadError
     from kvcmas.workflow.spec import WorkflowError
 
-    if getattr(args, "dtype", None) is not None and args.dtype not in DTYPES:
-        print(
-            f"kvcmas: error: unknown dtype {args.dtype!r} (choose {', '.join(DTYPES)})",
-            file=sys.stderr,
-        )
-        return 2
+    for flag in ("dtype", "reference_dtype"):
+        value = getattr(args, flag, None)
+        if value is not None and value not in DTYPES:
+            name = flag.replace("_", "-")
+            print(
+                f"kvcmas: error: unknown {name} {value!r} (choose {', '.join(DTYPES)})",
+                file=sys.stderr,
+            )
+            return 2
     if getattr(args, "max_new_tokens", 1) < 1:
         print("kvcmas: error: --max-new-tokens must be at least 1", file=sys.stderr)
         return 2
@@ -282,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         UnsupportedModelError,
         FileNotFoundError,
         WorkflowError,
+        DataMissingError,
     ) as e:
         print(f"kvcmas: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,20 @@
+"""Experiments run as ``kvcmas bench NAME``.
+
+Each module listed here defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``; the command line registers them all. Every experiment shows progress,
+and writes ``results.json``, a markdown table and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+EXPERIMENT_MODULES: dict[str, str] = {}
+
+
+def register_all(subparsers) -> None:
+    for name, module_name in EXPERIMENT_MODULES.items():
+        module = importlib.import_module(module_name)
+        p = subparsers.add_parser(name, help=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
