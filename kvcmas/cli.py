@@ -213,6 +213,12 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvcmas.demo import run_demo
+
+    return run_demo(args.model, args.dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcmas", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -224,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the 4-agent roster with NonShared and KVCMAS side by side")
+    add_model_args(d)
+    d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("run", help="run requests through a multi-agent workflow")
     r.add_argument("--workflow", required=True, help="built-in name or a YAML/JSON file")

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import importlib
 
-EXPERIMENT_MODULES: dict[str, str] = {}
+EXPERIMENT_MODULES: dict[str, str] = {
+    "calibrate": "kvcmas.bench.experiments.calibrate",
+    "context-sweep": "kvcmas.bench.experiments.context_sweep",
+    "ablation": "kvcmas.bench.experiments.ablation",
+    "lowrank": "kvcmas.bench.experiments.lowrank",
+    "coverage": "kvcmas.bench.experiments.coverage_exp",
+}
 
 
 def register_all(subparsers) -> None:
