@@ -17,6 +17,18 @@ import torch
 from kvcmas.kv.lowrank import Factors, factorize
 
 
+def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
+    """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens.
+
+    The base is expanded one layer at a time, so at most one layer of one anchor is ever at
+    full width (an anchor of a long segment would otherwise cost L*n*D floats at once).
+    """
+    total = torch.zeros(m)
+    for layer in range(x.shape[0]):
+        total += (x[layer, :m] - base.layer_rows(layer, m)).abs().mean(dim=1)
+    return total / x.shape[0]
+
+
 @dataclass
 class Anchor:
     base_k: Factors
@@ -113,9 +125,8 @@ class AnchorPool:
         for j, i in enumerate(idx):
             a = self.anchors[i]
             m = min(n, a.length)
-            dk = (x_k[:, :m] - a.base_k.rows(m)).abs().mean(dim=(0, 2)) / scale_k[:m]
-            dv = (x_v[:, :m] - a.base_v.rows(m)).abs().mean(dim=(0, 2)) / scale_v[:m]
-            dist[j, :m] = 0.5 * (dk + dv)
+            dk, dv = _abs_gap(x_k, a.base_k, m), _abs_gap(x_v, a.base_v, m)
+            dist[j, :m] = 0.5 * (dk / scale_k[:m] + dv / scale_v[:m])
             span[j] = dist[j, :m].mean()
         token_w = torch.softmax(-dist / t_, dim=0).nan_to_num(0.0)  # uncovered tokens: all -inf
         span_w = torch.softmax(-span / t_, dim=0)

@@ -6,7 +6,9 @@ slot contents are tokenized on their own too (METHOD.md section 2, rule 1). Conc
 pieces equals tokenizing the whole rendered string whenever every slot boundary is a
 pre-tokenizer boundary (e.g. a slot that starts a line); a boundary inside a word-with-space,
 such as ``"Question: {query}"``, tokenizes differently (``" What"`` becomes ``" "`` + ``"What"``),
-which is the price of a shared segment having one token sequence in every agent.
+and so does a slot whose content ends in punctuation before a newline on tokenizers that
+merge the two (Qwen2: ``"?\n"`` is one token). That is the price of a shared segment having
+one token sequence in every agent; every method sees the same sequence.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="'smollm2-135m' (embedded default), a HF folder, or a .gguf file",
+        help="'smollm2-135m' (embedded default), 'qwen2.5-coder-0.5b', a HF folder or a .gguf",
     )
     p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(DTYPES)}")
 

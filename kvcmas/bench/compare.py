@@ -37,7 +37,7 @@ def run_method(
     requests: list[dict],
     progress=None,
 ) -> list[RequestResult]:
-    runner = Runner(loaded, workflow, method, reference=reference)
+    runner = Runner(loaded, workflow, method, reference=reference, reference_answers=False)
     return list(runner.run_stream(requests, progress))
 
 

