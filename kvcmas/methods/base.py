@@ -95,6 +95,7 @@ class Method(ABC):
     """A way of building a hop's context KV. Instances live across requests (pools persist)."""
 
     name: ClassVar[str]
+    reads_sources: ClassVar[bool] = True  # False: the runner keeps no segment caches for it
 
     def params(self) -> dict[str, Any]:
         """The method's parameters, reported with every result."""

@@ -9,6 +9,7 @@ class NonShared(Method):
     """The exact reference every other method is measured against."""
 
     name = "nonshared"
+    reads_sources = False
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         return dense_shared(seg, shared, model, cache)

@@ -185,6 +185,29 @@ class Runner:
                 progress(i, result)
             yield result
 
+    def _fidelity(self, hop: Hop, build, out, max_new_tokens: int) -> dict[str, Any] | None:
+        """The hop's prompt cache against a dense reference prefill of the same tokens."""
+        if self.reference is None:
+            return None
+        from kvcmas.bench.fidelity import hop_fidelity
+
+        ref_prefix = self._ref_prefixes.get(self.reference.model, hop.segments[0].tokens)
+        spans = [(r.start, r.start + r.length) for r in build.records if r.slot is not None]
+        return asdict(
+            hop_fidelity(
+                self.reference.model,
+                ref_prefix,
+                hop.tokens,
+                self.loaded.model,
+                build.cache,
+                out.first_logits,
+                out.tokens,
+                max_new_tokens,
+                self.stop,
+                spans,
+            )
+        )
+
     def _run_hop(self, agent, shared: dict[str, SharedSegment], index: int, step: int) -> HopResult:
         model = self.loaded.model
         segments = self._segments(agent, {k: v.tokens for k, v in shared.items()})
@@ -213,34 +236,14 @@ class Runner:
             self.method.after_decode(hop, out.captured)
         n = len(prompt)
         produced = SharedSegment(agent.name, "agent", tuple(out.tokens))
-        produced.record(
-            agent.name, SegmentKV.from_cache(cache, n, n + len(out.tokens), model.inv_freq)
-        )
-        if not isinstance(self.method, NonShared):  # NonShared never reads sources
+        if self.method.reads_sources:
+            end = n + len(out.tokens)
+            produced.record(agent.name, SegmentKV.from_cache(cache, n, end, model.inv_freq))
             publish_sources(hop, build, model)
         self.method.after_hop(hop, build)
         cache.truncate(n)
         latency = time.perf_counter() - start
-
-        fidelity = None
-        if self.reference is not None:
-            from kvcmas.bench.fidelity import hop_fidelity
-
-            ref_prefix = self._ref_prefixes.get(self.reference.model, segments[0].tokens)
-            fidelity = asdict(
-                hop_fidelity(
-                    self.reference.model,
-                    ref_prefix,
-                    prompt,
-                    model,
-                    cache,
-                    out.first_logits,
-                    out.tokens,
-                    agent.max_new_tokens,
-                    self.stop,
-                    [(r.start, r.start + r.length) for r in build.records if r.slot is not None],
-                )
-            )
+        fidelity = self._fidelity(hop, build, out, agent.max_new_tokens)
         shared[agent.name] = produced
 
         shared_recs = [r for r in build.records if r.slot is not None]
