@@ -49,10 +49,16 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def replay(pairs: list[EdgePair], config: PoolConfig, min_anchors: int = 2) -> list[dict]:
+def replay(
+    pairs: list[EdgePair],
+    config: PoolConfig,
+    min_anchors: int = 2,
+    pools: dict[tuple[str, str], AnchorPool] | None = None,
+) -> list[dict]:
     """For each pair in order: match against the pool of earlier pairs of its edge, correct,
-    measure; then record the pair (as a dense fallback would)."""
-    pools: dict[tuple[str, str], AnchorPool] = {}
+    measure; then record the pair (as a dense fallback would). Pass ``pools`` (a dict, empty
+    or holding pools to start from) to keep the final pools, e.g. to measure their bytes."""
+    pools = {} if pools is None else pools
     rows = []
     for p in pairs:
         pool = pools.setdefault(p.edge, AnchorPool(config))

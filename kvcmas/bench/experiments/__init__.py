@@ -15,6 +15,9 @@ EXPERIMENT_MODULES: dict[str, str] = {
     "ablation": "kvcmas.bench.experiments.ablation",
     "lowrank": "kvcmas.bench.experiments.lowrank",
     "coverage": "kvcmas.bench.experiments.coverage_exp",
+    "accuracy": "kvcmas.bench.experiments.accuracy",
+    "report": "kvcmas.bench.experiments.report",
+    "smoke": "kvcmas.bench.experiments.smoke",
 }
 
 

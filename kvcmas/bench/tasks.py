@@ -1,0 +1,229 @@
+"""Task workflows of the paper's evaluation: three task agents and a decision agent per benchmark.
+
+Each workflow is a :func:`~kvcmas.workflow.builtin.roster`: every task agent reads the question
+and the outputs of the task agents before it, and the decision agent reads all three. Slots
+start a line (METHOD.md section 2, rule 1). The decision agent is told the exact answer format
+that the strict scorers of :mod:`kvcmas.bench.scoring` accept. (SmolLM2-135M-Instruct ignores
+it on MMLU: in trials of four phrasings, with and without an example or a system-prompt rule,
+it never wrote an ``Answer: X`` line, so its strict MMLU accuracy is 0 for every method.)
+
+Token budgets (new tokens per hop), chosen so that 60 MMLU + 60 GSM8K + 30 HumanEval items
+decode at most ~39k tokens per method: about 30-40 minutes with SmolLM2-135M in fp32 on two
+idle CPU cores (decode ~30 tokens/s plus prefill); measured on a shared, loaded 2-core machine,
+NonShared took 9 / 34 / 47 s per MMLU / GSM8K / HumanEval item, ~66 minutes per method.
+
+========== ============ =============== =========================
+benchmark  task agents  decision agent  most new tokens / request
+========== ============ =============== =========================
+mmlu       3 x 40       48              168
+gsm8k      3 x 64       96              288
+humaneval  3 x 64       192             384
+========== ============ =============== =========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from kvcmas.bench.data import load_dataset
+from kvcmas.bench.scoring import (
+    extract_code,
+    extract_final_number,
+    extract_mmlu_letter,
+    run_humaneval,
+    score_gsm8k,
+    score_mmlu,
+)
+from kvcmas.workflow.builtin import roster
+from kvcmas.workflow.spec import Workflow
+
+Role = tuple[str, str, str]  # (agent name, system prompt, instruction after the context)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One benchmark's roster: three task roles, the decision role and their budgets."""
+
+    name: str
+    roles: tuple[Role, Role, Role]
+    decider: Role
+    answer_format: str  # the decision agent's output contract, as the scorer reads it
+    task_tokens: int
+    final_tokens: int
+
+    def workflow(self, task_tokens: int | None = None, final_tokens: int | None = None) -> Workflow:
+        """The roster; budgets default to the task's own (overrides are for quick runs)."""
+        return roster(
+            name=f"{self.name}-roster",
+            roles=self.roles,
+            decider=self.decider,
+            task_tokens=task_tokens or self.task_tokens,
+            final_tokens=final_tokens or self.final_tokens,
+        )
+
+
+MMLU_FORMAT = (
+    "End your reply with a last line of the form\nAnswer: X\n"
+    "where X is exactly one capital letter: A, B, C or D. Write nothing after that line."
+)
+GSM8K_FORMAT = (
+    "End your reply with a last line of the form\nAnswer: <number>\n"
+    "giving the number only, with no units and no words. Write nothing after that line."
+)
+HUMANEVAL_FORMAT = (
+    "Reply with exactly one ```python code block that holds the complete function: its "
+    "imports, its def line with the same name and arguments, and its body. "
+    "Write nothing after the block."
+)
+
+MMLU = TaskSpec(
+    name="mmlu",
+    roles=(
+        (
+            "recaller",
+            "You are a subject expert. You recall the facts, definitions and rules that a "
+            "multiple-choice question depends on.",
+            "State the facts that decide this question in two short sentences. "
+            "Do not choose an option yet.",
+        ),
+        (
+            "eliminator",
+            "You are an exam strategist. You rule out wrong options one at a time.",
+            "Using the facts above, name the options that are wrong and say why, "
+            "one short line each.",
+        ),
+        (
+            "reviewer",
+            "You are a skeptical reviewer. You look for slips in other people's reasoning.",
+            "Point out any mistake in the notes above and name the option you think is right.",
+        ),
+    ),
+    decider=(
+        "judge",
+        "You are the final judge of a team that answers multiple-choice questions. "
+        "You weigh the team's notes and pick one option.",
+        "Choose the single best option. Give one short sentence of reasoning. " + MMLU_FORMAT,
+    ),
+    answer_format=MMLU_FORMAT,
+    task_tokens=40,
+    final_tokens=48,
+)
+
+GSM8K = TaskSpec(
+    name="gsm8k",
+    roles=(
+        (
+            "extractor",
+            "You read math word problems closely and pull out every quantity they give.",
+            "List each quantity with what it counts, then state what must be found.",
+        ),
+        (
+            "calculator",
+            "You solve math word problems with short, exact calculations.",
+            "Solve the problem step by step, one calculation per line, using the quantities above.",
+        ),
+        (
+            "verifier",
+            "You check the arithmetic and the logic of worked solutions.",
+            "Redo each calculation above, correct any error, and state the result.",
+        ),
+    ),
+    decider=(
+        "judge",
+        "You give the final answer to a math word problem after reviewing your team's work.",
+        "Decide the final result. Use at most two short lines of reasoning. " + GSM8K_FORMAT,
+    ),
+    answer_format=GSM8K_FORMAT,
+    task_tokens=64,
+    final_tokens=96,
+)
+
+HUMANEVAL = TaskSpec(
+    name="humaneval",
+    roles=(
+        (
+            "specifier",
+            "You are a software engineer who reads a Python function's signature and "
+            "docstring and pins down exactly what it must do.",
+            "Restate the required behaviour, the inputs, the output and the edge cases "
+            "as a few short bullet points.",
+        ),
+        (
+            "designer",
+            "You are a Python programmer who designs simple, correct algorithms.",
+            "Describe an algorithm for the function in a few numbered steps.",
+        ),
+        (
+            "tracer",
+            "You are a code reviewer who traces examples through an algorithm by hand.",
+            "Trace one docstring example through the steps above and point out any bug.",
+        ),
+    ),
+    decider=(
+        "coder",
+        "You write the final, working Python implementation from your team's notes.",
+        "Implement the function. " + HUMANEVAL_FORMAT,
+    ),
+    answer_format=HUMANEVAL_FORMAT,
+    task_tokens=64,
+    final_tokens=192,
+)
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in (MMLU, GSM8K, HUMANEVAL)}
+
+
+def task_spec(task: str) -> TaskSpec:
+    if task not in TASKS:
+        raise ValueError(f"no task workflow for {task!r}: choose from {', '.join(TASKS)}")
+    return TASKS[task]
+
+
+def task_workflow(
+    task: str, task_tokens: int | None = None, final_tokens: int | None = None
+) -> Workflow:
+    """The roster of ``task`` (``mmlu``, ``gsm8k`` or ``humaneval``)."""
+    return task_spec(task).workflow(task_tokens, final_tokens)
+
+
+@cache
+def _humaneval_problems() -> dict[str, dict[str, Any]]:
+    return {row["id"]: row for row in load_dataset("humaneval")}
+
+
+def humaneval_problem(request: dict[str, Any]) -> dict[str, Any]:
+    """The HumanEval problem of a request: carried as ``problem``, or looked up by ``gold``."""
+    if "problem" in request:
+        return request["problem"]
+    problems = _humaneval_problems()
+    key = request.get("gold", request.get("id"))
+    if key not in problems:
+        raise ValueError(f"unknown HumanEval task id {key!r}")
+    return problems[key]
+
+
+def score(task: str, request: dict[str, Any], final_answer: str) -> bool:
+    """Strict correctness of a final answer: MMLU letter, GSM8K number, HumanEval unit tests."""
+    if task == "mmlu":
+        return score_mmlu(final_answer, request["gold"])
+    if task == "gsm8k":
+        return score_gsm8k(final_answer, request["gold"])
+    if task == "humaneval":
+        return run_humaneval(humaneval_problem(request), final_answer)["passed"]
+    raise ValueError(f"no scorer for task {task!r}: choose from {', '.join(TASKS)}")
+
+
+def extract_answer(task: str, request: dict[str, Any], final_answer: str) -> str | None:
+    """What the scorer reads from a final answer (letter, number or program); None if none.
+
+    Two methods agree on an item when they extract the same answer.
+    """
+    if task == "mmlu":
+        return extract_mmlu_letter(final_answer)
+    if task == "gsm8k":
+        return extract_final_number(final_answer)
+    if task == "humaneval":
+        problem = humaneval_problem(request)
+        return extract_code(final_answer, problem["prompt"], problem["entry_point"])
+    raise ValueError(f"no answer extractor for task {task!r}: choose from {', '.join(TASKS)}")

@@ -1,0 +1,396 @@
+"""The pure parts of the experiments (context-sweep, ablation, lowrank, coverage): traces,
+workflows, spectra arithmetic, replay bookkeeping, tables and plots on synthetic results, and
+argument parsing. One tiny real-model computation (glue KV deviations)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kvcmas.anchors import PoolConfig
+from kvcmas.bench.calibrate import EdgePair
+from kvcmas.bench.experiments import (
+    EXPERIMENT_MODULES,
+    ablation,
+    common,
+    context_sweep,
+    coverage_exp,
+    lowrank,
+)
+from kvcmas.chat import tokenize
+from kvcmas.cli import build_parser
+
+MINE = {
+    "context-sweep": context_sweep,
+    "ablation": ablation,
+    "lowrank": lowrank,
+    "coverage": coverage_exp,
+}
+
+
+# --- argument parsing -------------------------------------------------------------------------
+
+
+def test_experiments_are_registered_and_their_smoke_args_parse(tmp_path):
+    parser = build_parser()
+    for name, module in MINE.items():
+        assert EXPERIMENT_MODULES[name] == module.__name__
+        argv = module.smoke_args(tmp_path / name)
+        args = parser.parse_args(["bench", name, *argv])
+        assert args.func is module.run
+        assert args.out == str(tmp_path / name)
+
+
+def test_context_sweep_defaults_are_the_papers_trace_in_bf16():
+    args = build_parser().parse_args(["bench", "context-sweep", "--out", "x"])
+    assert args.sizes == [512, 1024, 2048, 4096, 8192]
+    assert args.methods == ["nonshared", "fullshared", "kvcmas", "kvcomm"]
+    assert (args.dtype, args.output_tokens, args.agents, args.isolate) == ("bf16", 128, 4, True)
+
+
+def test_list_parsers():
+    assert common.int_list("1, 2,4") == [1, 2, 4]
+    assert common.float_list("0.5,1.01") == [0.5, 1.01]
+    assert common.rank_list("2,32,full,0") == [2, 32, None, None]
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.int_list("1,,2")
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.int_list("1,x")
+
+
+def test_bad_arguments_are_usage_errors():
+    from kvcmas.cli import UsageError, main
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "ablation", "--parts", "a,z", "--out", "x"])
+    with pytest.raises(UsageError, match="unknown part"):
+        ablation.check_args(args)
+    args = parser.parse_args(["bench", "context-sweep", "--methods", "nope", "--out", "x"])
+    with pytest.raises(UsageError, match="unknown method"):
+        context_sweep.check_args(args)
+    assert main(["bench", "context-sweep", "--measure", "0", "--out", "x"]) == 2
+
+
+# --- traces and workflows ---------------------------------------------------------------------
+
+
+def test_trace_workflow_chains_every_earlier_output():
+    wf = context_sweep.trace_workflow(4, 128)
+    assert wf.order == ("reader", "analyst", "critic", "writer")
+    assert wf.inputs() == ["doc"]
+    for i, agent in enumerate(wf.agents):
+        assert agent.slots == ["doc", *wf.order[:i]]
+        assert agent.max_new_tokens == 128
+    assert wf.final == "writer"
+
+
+def test_trace_lengths_and_size_cap(real_model):
+    tok = real_model.tokenizer
+    wf = context_sweep.trace_workflow(4, 128)
+    overhead = context_sweep.overhead_tokens(tok, wf)
+    # The last agent holds three earlier outputs and generates 128 more.
+    assert 3 * 128 + 128 < overhead < 3 * 128 + 128 + 200
+    limit = real_model.config.max_position - overhead
+    sizes, capped = context_sweep.cap_sizes([512, 8192, 9000], limit)
+    assert sizes == [512, limit] and capped == {8192: limit, 9000: limit}
+    texts = [
+        f"Question {i}: what is {i} plus {i + 1}? Think about it carefully." for i in range(80)
+    ]
+    docs = context_sweep.documents(tok, texts, 100, 3)
+    assert [len(tokenize(tok, d.strip())) for d in docs] == [100, 100, 100]
+    assert len(set(docs)) == 3  # different content, same size
+    with pytest.raises(ValueError, match="not enough text"):
+        context_sweep.documents(tok, texts[:5], 100, 3)
+
+
+def test_ablation_workflows():
+    for n in (2, 3, 4, 6):
+        wf = ablation.chain_workflow(n, 32)
+        assert len(wf.agents) == n and wf.final == "decider"
+        last = wf.agents[-1]
+        assert last.slots == ["query", *wf.order[:-1]]
+    wf = ablation.debate_workflow(3, debaters=3, output_tokens=16)
+    assert len(wf.agents) == 9 and wf.final == wf.order[-1] == "checker_r3"
+    assert wf.agent("analyst_r1").slots == ["query"]
+    assert wf.agent("solver_r2").slots == ["query", "analyst_r1", "solver_r1", "checker_r1"]
+    assert wf.agent("solver_r2").system == wf.agent("solver_r1").system  # prefix cache shared
+    capped = ablation.capped(wf, 8)
+    assert {a.max_new_tokens for a in capped.agents} == {8}
+    assert ablation.capped(wf, None) is wf
+
+
+def test_keeps_state():
+    from kvcmas.methods import make_method
+
+    assert not context_sweep.keeps_state(make_method("nonshared"))
+    assert not context_sweep.keeps_state(make_method("fullshared"))
+    assert context_sweep.keeps_state(make_method("kvcmas"))
+    assert context_sweep.keeps_state(make_method("kvcomm"))
+
+
+# --- spectra ----------------------------------------------------------------------------------
+
+
+def planted(spectrum: list[float], n: int = 40, d: int = 24, layers: int = 3) -> torch.Tensor:
+    """``[layers, n, d]`` matrices with exactly the given singular values."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(layers):
+        u, _ = torch.linalg.qr(torch.randn(n, len(spectrum), generator=g))
+        v, _ = torch.linalg.qr(torch.randn(d, len(spectrum), generator=g))
+        out.append(u @ torch.diag(torch.tensor(spectrum)) @ v.T)
+    return torch.stack(out)
+
+
+def test_effective_rank_and_energy_of_planted_spectra():
+    # Energies 16, 9, 4, 1 of 30: top-1 53%, top-2 83%, top-3 97% -> 90% needs 3.
+    m = planted([4.0, 3.0, 2.0, 1.0])
+    fam = lowrank.Family("x")
+    fam.add(m)
+    s = fam.summary()
+    assert s["effective_rank_mean"] == 3 and s["effective_rank_max"] == 3
+    assert s["energy_at_8"] == pytest.approx(1.0) and s["energy_at_32"] == pytest.approx(1.0)
+    curve = lowrank.energy_curve(m)
+    assert curve.shape == (3, lowrank.CURVE_RANKS)
+    assert curve[0, :4].tolist() == pytest.approx([16 / 30, 25 / 30, 29 / 30, 1.0], abs=1e-5)
+    flat = planted([1.0] * 20)  # flat spectrum of rank 20: 90% needs 18
+    fam.add(flat)
+    assert fam.summary()["effective_rank_max"] == 18
+    assert fam.summary(min_length=41) is None
+
+
+def test_rank_bound_by_short_segments():
+    fam = lowrank.Family("short")
+    fam.add(torch.randn(2, 5, 64))  # 5 tokens: rank at most 5
+    s = fam.summary()
+    assert s["effective_rank_max"] <= 5 and s["tokens_max"] == 5
+
+
+def test_families_and_claims():
+    n, d = 12, 8
+
+    def pair(kind, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = [torch.randn(2, n, d, generator=g) for _ in range(2)]
+        y = [t + 0.1 * torch.randn(2, n, d, generator=g) for t in x]
+        return EdgePair(("query", "b"), kind, x[0], x[1], y[0], y[1])
+
+    fams = lowrank.families_from_pairs([pair("query", 0), pair("agent", 1)])
+    assert fams["delta K (all)"].lengths == [n, n]
+    assert len(fams["base V (query)"].lengths) == 1
+    devs = {(0, 0, 1): [(torch.randn(2, 4, d), torch.randn(2, 4, d)) for _ in range(3)]}
+    pf = lowrank.families_from_deviations(devs)
+    assert pf["PF K"].lengths == [4, 4, 4] and pf["PF K (stacked)"].lengths == [12]
+    summaries = {k: f.summary() for k, f in {**fams, **pf}.items()}
+    c = lowrank.claims(summaries)
+    assert c["delta_effective_rank_below_32"]["holds"]  # 12 tokens: trivially
+    assert c["delta_effective_rank_below_32"]["holds_on_long_segments"] is None
+    md = lowrank.markdown({"setup": synthetic_setup(), "summaries": summaries, "claims": c})
+    assert "| PF K |" in md and "delta effective rank below 32" in md
+
+
+def test_glue_deviation_is_zero_for_the_same_prefix_and_not_otherwise(real_model):
+    """The one real-model computation: a few short prefills."""
+    systems = ["You are a solver.", "You are a solver.", "You are a harsh critic of plans."]
+    devs = lowrank.prefix_deviations(real_model, systems, ["What is 2+2?"], ("Notes:",), print)
+    ((same_k, same_v),) = devs[(0, 0, 1)]
+    ((diff_k, _),) = devs[(0, 1, 2)]
+    n = len(tokenize(real_model.tokenizer, "Notes:"))
+    assert same_k.shape == (real_model.config.n_layers - 1, n, real_model.config.kv_width)
+    assert same_k.abs().max() == 0 and same_v.abs().max() == 0
+    assert diff_k.abs().max() > 1e-3
+
+
+# --- replay bookkeeping -----------------------------------------------------------------------
+
+
+def synthetic_pairs(count: int, n: int = 6, d: int = 8, edges: int = 2) -> list[EdgePair]:
+    g = torch.Generator().manual_seed(1)
+    pairs = []
+    for i in range(count):
+        x_k, x_v = torch.randn(2, n, d, generator=g), torch.randn(2, n, d, generator=g)
+        delta = 0.05 * torch.randn(2, n, d, generator=g)
+        edge = ("query", f"agent{i % edges}")
+        pairs.append(EdgePair(edge, "query", x_k, x_v, x_k + delta, x_v + delta))
+    return pairs
+
+
+def test_replay_config_reports_pool_bytes_bounded_by_capacity():
+    pairs = synthetic_pairs(10)
+    rows, small = ablation.replay_config(pairs, PoolConfig(capacity=2, delta_rank=None))
+    _, large = ablation.replay_config(pairs, PoolConfig(capacity=5, delta_rank=None))
+    assert len(rows) == 10 and small["edges"] == 2
+    assert small["anchors"] == 4 and large["anchors"] == 10
+    assert 0 < small["pool_bytes"] < large["pool_bytes"]
+    assert small["matched"] == 10 - 2 * 2  # two anchors per edge before matching
+    assert small["corrected_error_mean"] is not None
+
+
+def test_tau_offline_counts_reuse_and_charges_dense_zero():
+    rows = [
+        {"tokens": 10, "fullshared_error": 0.2},
+        {"tokens": 10, "fullshared_error": 0.2, "corrected_error": 0.1, "entropy": 0.5},
+        {"tokens": 30, "fullshared_error": 0.4, "corrected_error": 0.3, "entropy": 0.95},
+    ]
+    low, high = ablation.tau_offline(rows, [0.9, 1.01])
+    assert (low["reused"], high["reused"]) == (1, 2)
+    assert low["reuse_ratio_tokens"] == pytest.approx(10 / 50)
+    assert low["error_all_mean"] == pytest.approx(0.1 / 3)
+    assert high["error_reused_mean"] == pytest.approx(0.2)
+
+
+# --- tables and plots on synthetic results ----------------------------------------------------
+
+
+def synthetic_setup(**sizes):
+    return {
+        "model": "m",
+        "dtype": "fp32",
+        "machine": "cpu",
+        "torch_threads": 1,
+        "python": "3",
+        "torch": "2",
+        **sizes,
+    }
+
+
+def speed(ttft: float, reuse: float = 0.0) -> dict:
+    return {
+        "requests": 1,
+        "hops": 4,
+        "ttft_nonfirst_mean_s": ttft,
+        "ttft_first_mean_s": 1.0,
+        "reuse_ratio_tokens": reuse,
+        "prompt_tokens_nonfirst_mean": 300.0,
+        "output_tokens": {"min": 128, "max": 128, "mean": 128.0},
+        "peak_state_bytes": 2**20,
+        "method_state_bytes": 0,
+        "peak_rss_bytes": 2**29,
+    }
+
+
+def test_context_sweep_table_and_plots(tmp_path):
+    runs = [
+        {"size": n, "method": m, "summary": speed(t * n / 512, r)}
+        for n in (512, 1024)
+        for m, t, r in (("nonshared", 1.0, 0.0), ("kvcmas", 0.5, 0.8))
+    ]
+    failed = {"size": 1024, "method": "kvcomm", "summary": None, "error": "...\nOOM: killed\n"}
+    runs.append(failed)
+    context_sweep.add_speedups(runs)
+    speedups = [r["speedup_vs_nonshared"] for r in runs]
+    assert speedups[:4] == pytest.approx([1.0, 2.0, 1.0, 2.0]) and speedups[4] is None
+    results = {
+        "setup": synthetic_setup(
+            agents=4, output_tokens=128, warmup_requests=3, measured_requests=2, sizes=[512]
+        ),
+        "capped": {"8192": 7500},
+        "context_limit": 8192,
+        "non_doc_tokens_max": 692,
+        "isolated_processes": True,
+        "runs": runs,
+    }
+    md = context_sweep.markdown(results)
+    assert "| 1024 | kvcmas | 1.000 | 2.00 | 0.80 |" in md
+    assert "capped to 7500" in md and "Model m (fp32)" in md
+    assert "| 1024 | kvcomm | failed: OOM: killed |" in md
+    context_sweep.plot(results, tmp_path)
+    assert (tmp_path / "ttft_vs_size.png").stat().st_size > 0
+    assert (tmp_path / "speedup_vs_size.png").stat().st_size > 0
+
+
+def test_ablation_tables_and_plots(tmp_path):
+    grid = [
+        {"rank": r, "pool_size": v, "matched": 5, "error_ratio_mean": 0.9, "pool_bytes": 1000 * v}
+        | {"error_ratio_median": 0.9, "corrected_error_mean": 0.1, "fullshared_error_mean": 0.11}
+        | {"anchors": v}
+        for r in (8, None)
+        for v in (2, 10)
+    ]
+    online = {
+        "reuse_ratio_tokens": 0.5,
+        "kv_error_mean": 0.01,
+        "first_token_kl_mean": 0.002,
+        "final_agreement": 1.0,
+        "ttft_nonfirst_mean_s": 0.5,
+        "method_state_bytes": 2048,
+    }
+    scale = [
+        {"axis": a, "value": v, "agent_calls": v, "method": m, "speedup_vs_nonshared": 1.0}
+        | speed(0.5)
+        for a in ("agents", "rounds")
+        for v in (2, 3)
+        for m in ("nonshared", "kvcmas")
+    ]
+    results = {
+        "setup": synthetic_setup(workflow="roster"),
+        "pairs": 20,
+        "rank_pool": grid,
+        "tau_offline": ablation.tau_offline([{"tokens": 5, "fullshared_error": 0.1}], [0.9]),
+        "tau_online": [{"tau": 0.9, **online}],
+        "chain": [{"chain": c, **online} for c in (True, False)],
+        "nonshared": {**online, "reuse_ratio_tokens": 0.0, "ttft_nonfirst_mean_s": 1.0},
+        "scale": scale,
+    }
+    md = ablation.markdown(results)
+    assert "| full | 10 | 5 | 0.900 |" in md and "| chain False |" in md
+    assert "| rounds | 3 | 3 | kvcmas |" in md
+    written = ablation.plot(results, tmp_path)
+    assert set(written) == {
+        "rank_pool_error.png",
+        "rank_pool_bytes.png",
+        "tau.png",
+        "scale_agents.png",
+        "scale_rounds.png",
+    }
+
+
+def test_coverage_claim_by_budget_table_and_plot(tmp_path):
+    from kvcmas.bench.coverage import RULES
+
+    rows = [
+        {
+            "rule": rule,
+            "budget": b,
+            "pair_fraction": b,
+            "coverage_mean": b * (3 if rule.startswith("oracle") else 2),
+            "coverage_pooled": b,
+            "outside_mean": 1 - b,
+        }
+        for b in (0.1, 0.3)
+        for rule in RULES
+    ]
+    assert coverage_exp.claim_by_budget(rows) == {0.1: True, 0.3: False}
+    cov = {
+        "model": "m",
+        "dtype": "float32",
+        "workflow": "roster",
+        "requests": 2,
+        "hops": [{"request": 0, "agent": "a", "shared_tokens": 5, "total_error": 1.0}],
+        "rows": rows,
+        "claim_at_least_half_outside": False,
+    }
+    results = {"setup": synthetic_setup(), "coverage": cov, "claim_by_budget": {0.1: True}}
+    md = coverage_exp.markdown(results)
+    assert md.startswith("# Reconstruction coverage") and "budget 0.10: holds" in md
+    coverage_exp.plot(results, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+# --- child processes --------------------------------------------------------------------------
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _fail() -> None:
+    raise ValueError("boom")
+
+
+def test_in_child_returns_values_and_reports_failures():
+    assert common.in_child(_square, 7) == 49
+    with pytest.raises(RuntimeError, match="boom"):
+        common.in_child(_fail)
