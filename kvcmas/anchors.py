@@ -16,13 +16,15 @@ import torch
 
 from kvcmas.kv.lowrank import Factors, factorize
 
+# Bases up to this many floats are expanded for all layers at once (one batched GEMM);
+# longer ones one layer at a time, so a long anchor is never held at full width.
+_BATCH_FLOATS = 1 << 22
+
 
 def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
-    """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens.
-
-    The base is expanded one layer at a time, so at most one layer of one anchor is ever at
-    full width (an anchor of a long segment would otherwise cost L*n*D floats at once).
-    """
+    """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens."""
+    if x.shape[0] * m * x.shape[2] <= _BATCH_FLOATS:
+        return (x[:, :m] - base.rows(m)).abs().mean(dim=(0, 2))
     total = torch.zeros(m)
     for layer in range(x.shape[0]):
         total += (x[layer, :m] - base.layer_rows(layer, m)).abs().mean(dim=1)

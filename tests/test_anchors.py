@@ -122,3 +122,16 @@ def test_factors_keep_full_width_when_rank_would_not_save_memory():
     m = torch.randn(2, 6, 8)  # rank 4: 4 * (6 + 8) = 56 > 48 numbers per layer
     f = factorize(m, 4)
     assert f.b is None and torch.equal(f.a, m)
+
+
+def test_layer_by_layer_matching_equals_batched(monkeypatch):
+    import kvcmas.anchors as anchors
+
+    pool = make_pool(capacity=3)
+    for i in range(3):
+        add_random(pool, n=12, seed=i)
+    x = torch.randn(2, 12, 8)
+    batched = pool.match(x, x)
+    monkeypatch.setattr(anchors, "_BATCH_FLOATS", 0)  # force the long-span path
+    per_layer = pool.match(x, x)
+    torch.testing.assert_close(per_layer.token_weights, batched.token_weights)

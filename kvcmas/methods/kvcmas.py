@@ -116,7 +116,7 @@ class KVCMAS(Method):
         pool = self.pool(seg.slot, hop.agent)
         xk, xv = as_matrices(source.k)[1:], as_matrices(source.v)[1:]
         match = None
-        if len(pool.eligible(len(seg))) >= self.min_anchors:
+        if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
             ck, cv = pool.correction(match, len(seg))
