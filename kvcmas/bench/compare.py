@@ -21,6 +21,7 @@ from kvcmas.workflow.runner import RequestResult, Runner
 from kvcmas.workflow.spec import Workflow
 
 LENGTH_BUCKETS = ((0, 32), (32, 64), (64, 128), (128, 10**9))
+LENGTH_BUCKETS_LABELS = [f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}" for lo, hi in LENGTH_BUCKETS]
 NOISE_FLOOR = "nonshared-bf16"
 
 
@@ -41,6 +42,53 @@ def run_method(
     return list(runner.run_stream(requests, progress))
 
 
+def fidelity_summary(hops, later, n_layers: int) -> dict[str, Any]:
+    """Figures that need each hop's comparison with the dense fp32 reference."""
+    seg_errors = [
+        (s, e)
+        for h in hops
+        for s, e in zip(
+            [s for s in h.segments if s["kind"] != "private"],
+            h.fidelity["segment_errors"],
+            strict=True,
+        )
+    ]
+    reused = [(s, e) for s, e in seg_errors if s["decision"] != "dense"]
+    by_kind = {}
+    for kind in sorted({s["kind"] for s, _ in seg_errors}):
+        all_k = [e for s, e in seg_errors if s["kind"] == kind]
+        re_k = [e for s, e in reused if s["kind"] == kind]
+        by_kind[kind] = {
+            "segments": len(all_k),
+            "reused": len(re_k),
+            "error_reused_mean": _mean(re_k),
+            "error_all_mean": _mean(all_k),
+        }
+    by_length = {}
+    for (lo, hi), label in zip(LENGTH_BUCKETS, LENGTH_BUCKETS_LABELS, strict=True):
+        re_b = [e for s, e in reused if lo <= s["length"] < hi]
+        by_length[label] = {"reused": len(re_b), "error_reused_mean": _mean(re_b)}
+    fid = [h.fidelity for h in later]
+    return {
+        "kv_error_mean": _mean(f["kv_rel_error"] for f in fid),
+        "kv_error_reused_segments_mean": _mean(e for _, e in reused),
+        "k_error_per_layer": [
+            _mean(f["k_rel_error_per_layer"][i] for f in fid) for i in range(n_layers)
+        ],
+        "v_error_per_layer": [
+            _mean(f["v_rel_error_per_layer"][i] for f in fid) for i in range(n_layers)
+        ],
+        "first_token_kl_mean": _mean(f["first_token_kl"] for f in fid),
+        "first_token_kl_median": statistics.median(f["first_token_kl"] for f in fid)
+        if fid
+        else None,
+        "continuation_kl_mean": _mean(f["continuation_kl"] for f in fid),
+        "same_hop_output_rate": _mean(float(f["same_output"]) for f in fid),
+        "by_slot_kind": by_kind,
+        "by_segment_length": by_length,
+    }
+
+
 def summarize(
     results: list[RequestResult],
     method: Method,
@@ -52,38 +100,7 @@ def summarize(
     hops = [h for r in results for h in r.hops]
     later = [h for r in results for h in r.hops[1:]]  # the first hop is exact for KVCMAS
     segs = [(s, h) for h in hops for s in h.segments if s["kind"] != "private"]
-    seg_errors = [
-        (s, e)
-        for h in hops
-        for s, e in zip(
-            [s for s in h.segments if s["kind"] != "private"],
-            h.fidelity["segment_errors"],
-            strict=True,
-        )
-    ]
-    reused = [(s, e) for s, e in seg_errors if s["decision"] != "dense"]
     shared_tokens = sum(s["length"] for s, _ in segs)
-    by_kind = {}
-    for kind in sorted({s["kind"] for s, _ in segs}):
-        all_k = [(s, e) for s, e in seg_errors if s["kind"] == kind]
-        re_k = [(s, e) for s, e in reused if s["kind"] == kind]
-        by_kind[kind] = {
-            "segments": len(all_k),
-            "reused": len(re_k),
-            "error_reused_mean": _mean(e for _, e in re_k),
-            "error_all_mean": _mean(e for _, e in all_k),
-        }
-    by_length = {}
-    for lo, hi in LENGTH_BUCKETS:
-        re_b = [e for s, e in reused if lo <= s["length"] < hi]
-        label = f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}"
-        by_length[label] = {"reused": len(re_b), "error_reused_mean": _mean(re_b)}
-    layers_k = [
-        _mean(h.fidelity["k_rel_error_per_layer"][i] for h in later) for i in range(n_layers)
-    ]
-    layers_v = [
-        _mean(h.fidelity["v_rel_error_per_layer"][i] for h in later) for i in range(n_layers)
-    ]
     out = {
         "method": method.name,
         "params": method.params(),
@@ -93,24 +110,14 @@ def summarize(
         / max(shared_tokens, 1),
         "reuse_ratio_calls": sum(s["decision"] != "dense" for s, _ in segs) / max(len(segs), 1),
         "recompute_fraction_mean": _mean(h.recompute_fraction for h in later),
-        "kv_error_mean": _mean(h.fidelity["kv_rel_error"] for h in later),
-        "kv_error_reused_segments_mean": _mean(e for _, e in reused),
-        "k_error_per_layer": layers_k,
-        "v_error_per_layer": layers_v,
-        "first_token_kl_mean": _mean(h.fidelity["first_token_kl"] for h in later),
-        "first_token_kl_median": statistics.median(h.fidelity["first_token_kl"] for h in later)
-        if later
-        else None,
-        "continuation_kl_mean": _mean(h.fidelity["continuation_kl"] for h in later),
-        "same_hop_output_rate": _mean(float(h.fidelity["same_output"]) for h in later),
         "ttft_nonfirst_mean_s": _mean(h.ttft_s for h in later),
         "ttft_all_mean_s": _mean(h.ttft_s for h in hops),
         "latency_request_mean_s": _mean(sum(h.latency_s for h in r.hops) for r in results),
         "method_state_bytes": method.memory_bytes(),
         "peak_state_bytes": max(h.kv_bytes + h.source_bytes + h.method_state_bytes for h in hops),
-        "by_slot_kind": by_kind,
-        "by_segment_length": by_length,
     }
+    if all(h.fidelity is not None for h in hops):
+        out.update(fidelity_summary(hops, later, n_layers))
     if baseline is not None:
         same = [a.final_answer == b.final_answer for a, b in zip(results, baseline, strict=True)]
         out["final_agreement"] = sum(same) / len(same)
@@ -128,10 +135,13 @@ def compare(
     method_params: dict[str, Any],
     noise_floor: bool = True,
     log=print,
+    fidelity: bool = True,
 ) -> dict[str, Any]:
     """Run every method (NonShared first: the reference answers) and summarize side by side."""
     loaded = load_model(model_spec, dtype)
-    reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
+    reference = None
+    if fidelity:
+        reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
     names = ["nonshared"] + [m for m in methods if m != "nonshared"]
     results: dict[str, list[RequestResult]] = {}
     summaries: dict[str, dict[str, Any]] = {}
@@ -139,7 +149,7 @@ def compare(
     runs: list[tuple[str, LoadedModel, Method]] = [
         (name, loaded, make_method(name, **accepted_params(name, method_params))) for name in names
     ]
-    if noise_floor and dtype == "fp32":
+    if noise_floor and fidelity and dtype == "fp32":
         runs.append((NOISE_FLOOR, load_model(model_spec, "bf16"), make_method("nonshared")))
     for label, model, method in runs:
         start = time.perf_counter()
@@ -202,10 +212,12 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {fmt(m['reuse_ratio_tokens'], '.2f')}"
             f" | {fmt(m['reuse_ratio_calls'], '.2f')}"
-            f" | {fmt(m['recompute_fraction_mean'], '.2f')} | {fmt(m['kv_error_mean'], '.4f')}"
-            f" | {fmt(m['kv_error_reused_segments_mean'], '.4f')}"
-            f" | {fmt(m['first_token_kl_mean'], '.4f')} / {fmt(m['first_token_kl_median'], '.4f')}"
-            f" | {fmt(m['continuation_kl_mean'], '.4f')} | {fmt(m['same_hop_output_rate'], '.2f')}"
+            f" | {fmt(m['recompute_fraction_mean'], '.2f')} | {fmt(m.get('kv_error_mean'), '.4f')}"
+            f" | {fmt(m.get('kv_error_reused_segments_mean'), '.4f')}"
+            f" | {fmt(m.get('first_token_kl_mean'), '.4f')}"
+            f" / {fmt(m.get('first_token_kl_median'), '.4f')}"
+            f" | {fmt(m.get('continuation_kl_mean'), '.4f')}"
+            f" | {fmt(m.get('same_hop_output_rate'), '.2f')}"
             f" | {fmt(m.get('final_agreement'), '.2f')} | {fmt(m['ttft_nonfirst_mean_s'], '.3f')}"
             f" | {fmt(m['ttft_ratio_vs_nonshared'], '.2f')}"
             f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['method_state_bytes'] / 1024:.0f} |"
@@ -218,7 +230,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for label, m in report["summary"].items():
-        for kind, k in m["by_slot_kind"].items():
+        for kind, k in m.get("by_slot_kind", {}).items():
             lines.append(
                 f"| {label} | {kind} | {k['segments']} | {k['reused']} | "
                 f"{fmt(k['error_reused_mean'], '.4f')} | {fmt(k['error_all_mean'], '.4f')} |"
@@ -253,9 +265,6 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-LENGTH_BUCKETS_LABELS = [f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}" for lo, hi in LENGTH_BUCKETS]
-
-
 def plot_layer_errors(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -283,4 +292,5 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "table.md").write_text(markdown_table(report))
-    plot_layer_errors(report, out / "layer_errors.png")
+    if all("k_error_per_layer" in m for m in report["summary"].values()):
+        plot_layer_errors(report, out / "layer_errors.png")

@@ -108,7 +108,7 @@ class Transformer:
         return F.embedding(tokens, self.embed)
 
     def project_kv(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, rope=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [Hq,T,Dh], k [Hkv,T,Dh] (rotated to ``positions``), v [Hkv,T,Dh] of one layer."""
         c = self.config
@@ -120,15 +120,18 @@ class Transformer:
         q = qkv[:, :nq].view(t, c.n_heads, c.head_dim).transpose(0, 1)
         k = qkv[:, nq : nq + nk].view(t, c.n_kv_heads, c.head_dim).transpose(0, 1)
         v = qkv[:, nq + nk :].view(t, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        cos, sin = cos_sin(self.inv_freq, positions, hidden.dtype)
+        cos, sin = rope if rope is not None else cos_sin(self.inv_freq, positions, hidden.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
     def _attend(
         self, q: torch.Tensor, cache: KVCache, layer: int, positions: torch.Tensor
     ) -> torch.Tensor:
-        keys, values = cache.keys(layer), cache.values(layer)
-        n_keys = keys.shape[1]
-        t = q.shape[1]
+        # A leading batch dim keeps CPU SDPA on its fused kernel (3-D inputs take the math
+        # path, ~6x slower at 1K tokens).
+        keys, values = cache.keys(layer)[None], cache.values(layer)[None]
+        q = q[None]
+        n_keys = keys.shape[2]
+        t = q.shape[2]
         contiguous_tail = positions[0].item() == n_keys - t and (
             t == 1 or positions[-1].item() == n_keys - 1
         )
@@ -140,14 +143,20 @@ class Transformer:
             # Exact causal mask by absolute position: key position <= query position.
             mask = torch.arange(n_keys)[None, :] <= positions[:, None]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1).reshape(t, -1)
+        return out[0].transpose(0, 1).reshape(t, -1)
 
     def run_layer(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rope=None,
     ) -> torch.Tensor:
-        """One decoder layer for rows at ``positions``; writes their K/V into ``cache``."""
+        """One decoder layer for rows at ``positions``; writes their K/V into ``cache``.
+        ``rope`` optionally passes the (cos, sin) tables of ``positions``, shared by layers."""
         w = self.layers[layer]
-        q, k, v = self.project_kv(layer, hidden, positions)
+        q, k, v = self.project_kv(layer, hidden, positions, rope)
         cache.write(layer, positions, k, v)
         h = hidden + F.linear(self._attend(q, cache, layer, positions), w.wo)
         x = self._rms_norm(h, w.ln_mlp)
@@ -189,10 +198,11 @@ class Transformer:
         cache.extend_to(int(positions.max()) + 1)
         captured = {}
         with torch.inference_mode():
+            rope = cos_sin(self.inv_freq, positions, hidden.dtype)
             for layer in layers:
                 if layer in capture:
                     captured[layer] = hidden
-                hidden = self.run_layer(layer, hidden, positions, cache)
+                hidden = self.run_layer(layer, hidden, positions, cache, rope)
             logits = None
             if layers.stop == c.n_layers and logits_rows is not None:
                 logits = self.logits(hidden[logits_rows])
