@@ -189,6 +189,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         methods,
         method_params(args),
         noise_floor=not args.no_noise_floor,
+        fidelity=not args.no_fidelity,
         log=lambda m: print(m, file=sys.stderr, flush=True),
     )
     write_report(report, Path(args.out))
@@ -271,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=int, default=None)
     c.add_argument("--out", required=True)
     c.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-in-bf16 row")
+    c.add_argument(
+        "--no-fidelity",
+        action="store_true",
+        help="timing run: no fp32 reference per hop (KV error, KL left out)",
+    )
     add_model_args(c)
     add_method_args(c)
     c.set_defaults(func=cmd_bench_compare)
