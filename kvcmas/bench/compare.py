@@ -245,7 +245,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     for label, m in report["summary"].items():
         cells = [
             f"{fmt(b['error_reused_mean'], '.4f')} (n={b['reused']})"
-            for b in m["by_segment_length"].values()
+            for b in m.get("by_segment_length", {}).values()
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     pools = {k: m["pool"] for k, m in report["summary"].items() if "pool" in m}
