@@ -169,7 +169,7 @@ def compare(
         "setup": {
             "model": loaded.name,
             "dtype": dtype,
-            "reference_dtype": "fp32",
+            "reference_dtype": "fp32" if fidelity else "none (timing run)",
             "workflow": workflow.name,
             "requests": len(requests),
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
