@@ -233,8 +233,10 @@ def test_fullshared_first_hop_is_exact(nonshared_roles, fullshared_roles):
     assert first.output_ids == ref.output_ids
     assert first.reused_tokens == 0 and first.recompute_fraction == 1.0
     assert first.fidelity["kv_rel_error"] == ref.fidelity["kv_rel_error"]  # same dense compute
-    assert first.fidelity["kv_rel_error"] == 0.0
-    assert first.fidelity["first_token_kl"] == 0.0
+    # The hop prefills segment by segment, the reference the whole prompt in one call: only
+    # float32 rounding may differ (it is bitwise equal on 1 thread, not on 2).
+    assert first.fidelity["kv_rel_error"] < 1e-5
+    assert first.fidelity["first_token_kl"] < 1e-6
     assert first.fidelity["same_output"] is True
 
 
