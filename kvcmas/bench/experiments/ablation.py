@@ -518,13 +518,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     log = common.Progress("ablation")
     results = ablate(args, log)
-    results["wall_s"] = log.elapsed
-    out = Path(args.out)
-    common.write_results(out, results, markdown(results))
-    written = plot(results, out)
-    log(f"wrote {out}/results.json, table.md, {', '.join(written)}")
-    print(markdown(results))
-    return 0
+    return common.finish(args.out, results, log, markdown, plot)
 
 
 def smoke_args(out_dir: str | Path) -> list[str]:

@@ -122,6 +122,17 @@ def write_results(out: Path, results: dict[str, Any], table: str) -> None:
     (out / "table.md").write_text(table)
 
 
+def finish(out_dir, results: dict[str, Any], log, markdown: Callable, plot: Callable) -> int:
+    """The common end of an experiment: stamp wall time, write JSON, table and plots, print."""
+    results["wall_s"] = log.elapsed
+    out = Path(out_dir)
+    write_results(out, results, markdown(results))
+    plot(results, out)
+    log(f"wrote {out}/results.json, table.md and plots")
+    print(markdown(results))
+    return 0
+
+
 def mean(xs: Iterable[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None

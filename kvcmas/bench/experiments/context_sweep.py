@@ -335,13 +335,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     log = common.Progress("context-sweep")
     results = sweep(args, log)
-    results["wall_s"] = log.elapsed
-    out = Path(args.out)
-    common.write_results(out, results, markdown(results))
-    plot(results, out)
-    log(f"wrote {out}/results.json, table.md, ttft_vs_size.png, speedup_vs_size.png")
-    print(markdown(results))
-    return 0
+    return common.finish(args.out, results, log, markdown, plot)
 
 
 def smoke_args(out_dir: str | Path) -> list[str]:

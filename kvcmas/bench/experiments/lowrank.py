@@ -366,13 +366,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     log = common.Progress("lowrank")
     results = analyse(args, log)
-    results["wall_s"] = log.elapsed
-    out = Path(args.out)
-    common.write_results(out, results, markdown(results))
-    plot(results, out)
-    log(f"wrote {out}/results.json, table.md, energy_curves.png, effective_rank_per_layer.png")
-    print(markdown(results))
-    return 0
+    return common.finish(args.out, results, log, markdown, plot)
 
 
 def smoke_args(out_dir: str | Path) -> list[str]:
