@@ -72,8 +72,13 @@ def render_segments(
     system: str | None,
     prompt: str,
     slot_tokens: dict[str, tuple[int, ...]],
+    reply_prefix: tuple[int, ...] = (),
 ) -> list[Segment]:
-    """Token segments of one agent call; ``slot_tokens`` holds each slot's content tokens."""
+    """Token segments of one agent call; ``slot_tokens`` holds each slot's content tokens.
+
+    ``reply_prefix`` (tokens that open the assistant's reply) extends the last private
+    segment, which always ends with the generation prompt.
+    """
     segments = []
     for part in render_template(tokenizer, system, prompt):
         if isinstance(part, tuple):
@@ -83,6 +88,8 @@ def render_segments(
             segments.append(Segment(tuple(slot_tokens[name]), slot=name))
         else:
             segments.append(Segment(tokenize(tokenizer, part)))
+    if reply_prefix:
+        segments[-1] = Segment(segments[-1].tokens + tuple(reply_prefix))
     return segments
 
 

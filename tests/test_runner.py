@@ -222,6 +222,36 @@ def test_outputs_are_passed_as_ids_not_retokenized_text(real_model, monkeypatch)
     assert list(b_slot.tokens) == odd
 
 
+@pytest.mark.real_model
+def test_reply_prefix_opens_the_output_and_is_shared_with_its_kv(real_model):
+    """A reply prefix ends the prompt, opens the output text, and successors read it (tokens
+    and source KV) as part of the producer's reply."""
+    tok = real_model.tokenizer
+    prefix = tokenize(tok, "Answer:")
+    method = SpyFullShared()
+    w = Workflow(
+        "pair",
+        (
+            AgentSpec("a", "You are A.", "Question:\n{query}\n\nAnswer.", BUDGET, "Answer:"),
+            AgentSpec("b", "You are B.", "Question:\n{query}\n\nA said:\n{a}\n\nCheck.", BUDGET),
+        ),
+        "b",
+    )
+    result = run(real_model, w, method)
+    a_hop, b_hop = method.hops
+    assert tuple(a_hop.tokens[-len(prefix) :]) == prefix
+    assert result.hops[0].output.startswith("Answer:")
+    assert result.hops[0].output_tokens == len(result.hops[0].output_ids)  # generated only
+    reply = b_hop.shared["a"]
+    assert reply.tokens == prefix + tuple(result.hops[0].output_ids)
+    # Layer-0 values depend on the token alone: the source must cover exactly the reply.
+    alone = real_model.model.new_cache(len(reply.tokens))
+    real_model.model.prefill(list(reply.tokens), alone)
+    torch.testing.assert_close(
+        reply.origin.v[0], alone.span(0, len(reply.tokens))[1][0], atol=1e-4, rtol=1e-4
+    )
+
+
 # ---------------------------------------------------------------- FullShared
 
 

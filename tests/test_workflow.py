@@ -342,3 +342,14 @@ def test_order_is_a_valid_topological_order_and_keeps_file_order_where_free():
             if s in pos:
                 assert pos[s] < pos[a.name], (s, a.name)
     assert w.order == ("a", "c", "b", "d", "e")  # earliest-listed ready agent first
+
+
+def test_reply_prefix_is_read_and_may_not_hold_a_slot():
+    data = {
+        "final": "a",
+        "agents": [{"name": "a", "system": "s", "prompt": "{query}", "reply_prefix": "Answer:"}],
+    }
+    assert workflow_from_dict(data).agent("a").reply_prefix == "Answer:"
+    data["agents"][0]["reply_prefix"] = "Answer: {query}"
+    with pytest.raises(WorkflowError, match="reply_prefix must not hold a slot"):
+        workflow_from_dict(data)

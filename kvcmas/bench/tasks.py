@@ -3,9 +3,14 @@
 Each workflow is a :func:`~kvcmas.workflow.builtin.roster`: every task agent reads the question
 and the outputs of the task agents before it, and the decision agent reads all three. Slots
 start a line (METHOD.md section 2, rule 1). The decision agent is told the exact answer format
-that the strict scorers of :mod:`kvcmas.bench.scoring` accept. (SmolLM2-135M-Instruct ignores
-it on MMLU: in trials of four phrasings, with and without an example or a system-prompt rule,
-it never wrote an ``Answer: X`` line, so its strict MMLU accuracy is 0 for every method.)
+that the strict scorers of :mod:`kvcmas.bench.scoring` accept.
+
+MMLU's judge has its reply opened with ``Answer:`` and a 2-token budget. SmolLM2-135M-Instruct
+ignored the answer format when only told it (four phrasings, with and without an example or a
+system-prompt rule: never an ``Answer: X`` line, so strict accuracy 0 for every method); left
+to continue after the prefix it writes ``Answer: A. Centaurus``, which the strict scorer
+rejects. With the prefix and budget it writes ``Answer: A`` or ``Answer: A.``; anything else
+it writes there is still scored as malformed.
 
 Token budgets (new tokens per hop), chosen so that 60 MMLU + 60 GSM8K + 30 HumanEval items
 decode at most ~39k tokens per method: about 30-40 minutes with SmolLM2-135M in fp32 on two
@@ -15,7 +20,7 @@ NonShared took 9 / 34 / 47 s per MMLU / GSM8K / HumanEval item, ~66 minutes per 
 ========== ============ =============== =========================
 benchmark  task agents  decision agent  most new tokens / request
 ========== ============ =============== =========================
-mmlu       3 x 40       48              168
+mmlu       3 x 40       2 (+ prefix)    122
 gsm8k      3 x 64       96              288
 humaneval  3 x 64       192             384
 ========== ============ =============== =========================
@@ -52,6 +57,7 @@ class TaskSpec:
     answer_format: str  # the decision agent's output contract, as the scorer reads it
     task_tokens: int
     final_tokens: int
+    final_reply_prefix: str = ""  # opens the decision agent's reply (see MMLU)
 
     def workflow(self, task_tokens: int | None = None, final_tokens: int | None = None) -> Workflow:
         """The roster; budgets default to the task's own (overrides are for quick runs)."""
@@ -61,6 +67,7 @@ class TaskSpec:
             decider=self.decider,
             task_tokens=task_tokens or self.task_tokens,
             final_tokens=final_tokens or self.final_tokens,
+            final_reply_prefix=self.final_reply_prefix,
         )
 
 
@@ -104,11 +111,13 @@ MMLU = TaskSpec(
         "judge",
         "You are the final judge of a team that answers multiple-choice questions. "
         "You weigh the team's notes and pick one option.",
-        "Choose the single best option. Give one short sentence of reasoning. " + MMLU_FORMAT,
+        "Choose the single best option. Reply with its letter only, as in\nAnswer: X\n"
+        "where X is exactly one capital letter: A, B, C or D.",
     ),
     answer_format=MMLU_FORMAT,
     task_tokens=40,
-    final_tokens=48,
+    final_tokens=2,
+    final_reply_prefix="Answer:",
 )
 
 GSM8K = TaskSpec(

@@ -13,6 +13,7 @@ def roster(
     decider: tuple[str, str, str] | None = None,
     task_tokens: int = 48,
     final_tokens: int = 64,
+    final_reply_prefix: str = "",
 ) -> Workflow:
     """The paper's shape: three task agents, then a reflection agent that reads all three.
 
@@ -45,10 +46,11 @@ def roster(
     agents, earlier = [], []
     for agent_name, system, instruction in (*roles, decider):
         notes = "".join(f"\n\nNotes from the {e}:\n{{{e}}}" for e in earlier)
-        budget = final_tokens if agent_name == decider[0] else task_tokens
-        agents.append(
-            AgentSpec(agent_name, system, f"Question:\n{{query}}{notes}\n\n{instruction}", budget)
-        )
+        is_decider = agent_name == decider[0]
+        prompt = f"Question:\n{{query}}{notes}\n\n{instruction}"
+        budget = final_tokens if is_decider else task_tokens
+        prefix = final_reply_prefix if is_decider else ""
+        agents.append(AgentSpec(agent_name, system, prompt, budget, prefix))
         earlier.append(agent_name)
     return Workflow(name=name, agents=tuple(agents), final=decider[0])
 

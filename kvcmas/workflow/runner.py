@@ -150,7 +150,10 @@ class Runner:
                 self._ref_prefixes.get(self.reference.model, prefix)
 
     def _segments(self, agent, slot_tokens):
-        segs = render_segments(self.loaded.tokenizer, agent.system, agent.prompt, slot_tokens)
+        reply_prefix = tokenize(self.loaded.tokenizer, agent.reply_prefix)
+        segs = render_segments(
+            self.loaded.tokenizer, agent.system, agent.prompt, slot_tokens, reply_prefix
+        )
         if segs[0].shared:
             raise WorkflowError(f"agent {agent.name!r}: the prompt must not start with a slot")
         return segs
@@ -235,10 +238,12 @@ class Runner:
         if capture:
             self.method.after_decode(hop, out.captured)
         n = len(prompt)
-        produced = SharedSegment(agent.name, "agent", tuple(out.tokens))
+        # The reply prefix is the opening of the agent's reply: successors read it too.
+        reply = tokenize(self.loaded.tokenizer, agent.reply_prefix) + tuple(out.tokens)
+        produced = SharedSegment(agent.name, "agent", reply)
         if self.method.reads_sources:
-            end = n + len(out.tokens)
-            produced.record(agent.name, SegmentKV.from_cache(cache, n, end, model.inv_freq))
+            begin, end = n - len(reply) + len(out.tokens), n + len(out.tokens)
+            produced.record(agent.name, SegmentKV.from_cache(cache, begin, end, model.inv_freq))
             publish_sources(hop, build, model)
         self.method.after_hop(hop, build)
         cache.truncate(n)
@@ -260,7 +265,7 @@ class Runner:
             recompute_fraction=(
                 sum(r.computed_pairs for r in shared_recs) / shared_pairs if shared_pairs else 1.0
             ),
-            output=self.loaded.tokenizer.decode(out.tokens, skip_special_tokens=True),
+            output=self.loaded.tokenizer.decode(reply, skip_special_tokens=True),
             output_tokens=len(out.tokens),
             segments=[r.to_json() for r in build.records],
             kv_bytes=cache.nbytes(),

@@ -18,7 +18,7 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 QUERY = "query"
 DEFAULT_MAX_NEW_TOKENS = 128
 _WORKFLOW_KEYS = {"name", "final", "agents"}
-_AGENT_KEYS = {"name", "system", "prompt", "max_new_tokens"}
+_AGENT_KEYS = {"name", "system", "prompt", "max_new_tokens", "reply_prefix"}
 
 
 class WorkflowError(ValueError):
@@ -31,6 +31,9 @@ class AgentSpec:
     system: str
     prompt: str
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    # Text that opens the agent's reply (after the chat template's generation prompt), e.g.
+    # "Answer:" to hold a small model to an answer format; it is part of the agent's output.
+    reply_prefix: str = ""
 
     @property
     def slots(self) -> list[str]:
@@ -78,6 +81,8 @@ class Workflow:
                 raise WorkflowError(f"agent {a.name!r}: max_new_tokens must be at least 1")
             if a.name in a.slots:
                 raise WorkflowError(f"cycle: agent {a.name!r} reads its own output")
+            if slot_names(a.reply_prefix):
+                raise WorkflowError(f"agent {a.name!r}: reply_prefix must not hold a slot")
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise WorkflowError(f"duplicate agent names: {', '.join(dupes)}")
@@ -136,6 +141,7 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
                 system=str(a["system"]),
                 prompt=str(a["prompt"]),
                 max_new_tokens=budget,
+                reply_prefix=str(a.get("reply_prefix", "")),
             )
         )
     return Workflow(

@@ -54,6 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True)
     p.add_argument(
+        "--without-nonshared",
+        action="store_true",
+        help="run only the named methods (a part of a split run; see --merge)",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="merge these runs' results.json into --out (runs nothing); one must hold NonShared",
+    )
+    p.add_argument(
         "--fidelity", action="store_true", help="also measure every hop against NonShared fp32"
     )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 row")
@@ -222,9 +233,11 @@ def parse_list(text: str, known, what: str) -> list[str]:
     return names
 
 
-def plan_runs(methods: list[str], dtype: str, noise_floor: bool) -> list[tuple[str, str, str]]:
+def plan_runs(
+    methods: list[str], dtype: str, noise_floor: bool, with_nonshared: bool = True
+) -> list[tuple[str, str, str]]:
     """(label, method, dtype) in run order: NonShared first, the noise floor last."""
-    runs = [("nonshared", "nonshared", dtype)]
+    runs = [("nonshared", "nonshared", dtype)] if with_nonshared else []
     runs += [(m, m, dtype) for m in methods if m != "nonshared"]
     if noise_floor and dtype == "fp32":
         runs.append((NOISE_FLOOR, "nonshared", "bf16"))
@@ -241,6 +254,7 @@ def accuracy_experiment(
     noise_floor: bool = True,
     fidelity: bool = False,
     budgets: tuple[int | None, int | None] = (None, None),
+    with_nonshared: bool = True,
     log: Log = print,
     on_update: Callable[[dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
@@ -258,7 +272,7 @@ def accuracy_experiment(
     config = models[dtype].config
     tasks = {t: load_requests(t, limit or DEFAULT_LIMITS[t]) for t in benchmarks}
     workflows = {t: task_spec(t).workflow(*budgets) for t in benchmarks}
-    runs = plan_runs(methods, dtype, noise_floor)
+    runs = plan_runs(methods, dtype, noise_floor, with_nonshared)
     report = new_report(models[dtype].name, dtype, tasks, workflows, runs, params, fidelity)
     for label, name, run_dtype in runs:
         if run_dtype not in models:
@@ -266,7 +280,7 @@ def accuracy_experiment(
         for task, requests in tasks.items():
             log(f"{label} on {task}: {len(requests)} items, workflow {workflows[task].name}")
             method = make_method(name, **accepted_params(name, params))
-            baseline = report["items"]["nonshared"].get(task)
+            baseline = report["items"].get("nonshared", {}).get(task)
             results, records, timing = run_one(
                 models[run_dtype], workflows[task], method, task, requests, label, baseline,
                 reference, log,
@@ -321,12 +335,100 @@ def workflow_facts(workflow: Workflow) -> dict[str, Any]:
 
 
 def add_ttft_ratios(summary: dict[str, dict[str, Any]], task: str) -> None:
+    if task not in summary.get("nonshared", {}):
+        return  # a split run without NonShared: ratios come when it is merged
     base = summary["nonshared"][task]["ttft_nonfirst_mean_s"]
     for per_task in summary.values():
         if task in per_task:
             ttft = per_task[task]["ttft_nonfirst_mean_s"]
             ratio = ttft / base if ttft is not None and base else None
             per_task[task]["ttft_ratio_vs_nonshared"] = ratio
+
+
+# ----------------------------------------------------------------------------- split runs
+
+SAME_SETUP = ("model", "dtype", "decoding", "method_params", "fidelity")
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the parts of a split run (methods run in separate processes).
+
+    The parts must share model, dtype, item counts, workflows and method parameters; one must
+    hold NonShared, against which agreement and TTFT ratios are recomputed. A label present in
+    two parts for the same benchmark is an error rather than a silent overwrite.
+    """
+    if not reports:
+        raise UsageError("--merge needs at least one results folder")
+    first = reports[0]["setup"]
+    for other in reports[1:]:
+        for key in SAME_SETUP:
+            if other["setup"].get(key) != first.get(key):
+                raise UsageError(f"cannot merge runs with a different {key}")
+    # Parts may cover different benchmarks; each benchmark's items and budgets must agree.
+    sizes: dict[str, int] = {}
+    workflows: dict[str, dict] = {}
+    for r in reports:
+        for task, n in r["setup"]["sizes"].items():
+            if sizes.setdefault(task, n) != n:
+                raise UsageError(f"cannot merge runs with {sizes[task]} and {n} {task} items")
+            if workflows.setdefault(task, r["setup"]["workflows"][task]) != workflows[task]:
+                raise UsageError(f"cannot merge runs with different {task} workflows")
+    merged = {"setup": dict(first), "summary": {}, "items": {}}
+    for r in reports:
+        for label, per_task in r["summary"].items():
+            for task, summary in per_task.items():
+                if task in merged["summary"].get(label, {}):
+                    raise UsageError(f"{label} on {task} appears in two of the merged runs")
+                merged["summary"].setdefault(label, {})[task] = summary
+                merged["items"].setdefault(label, {})[task] = r["items"][label][task]
+    if "nonshared" not in merged["summary"]:
+        raise UsageError("none of the merged runs holds NonShared, the agreement reference")
+    order = ["nonshared"] + [x for x in merged["summary"] if x not in ("nonshared", NOISE_FLOOR)]
+    order += [NOISE_FLOOR] if NOISE_FLOOR in merged["summary"] else []
+    merged["summary"] = {label: merged["summary"][label] for label in order}
+    merged["items"] = {label: merged["items"][label] for label in order}
+    setup = merged["setup"]
+    setup["sizes"] = {t: sizes[t] for t in TASKS if t in sizes}
+    setup["workflows"] = {t: workflows[t] for t in setup["sizes"]}
+    setup["methods"] = order
+    setup["noise_floor"] = NOISE_FLOOR if NOISE_FLOOR in order else None
+    setup["machine"] = "; ".join(dict.fromkeys(r["setup"]["machine"] for r in reports))
+    setup["merged_from"] = len(reports)
+    for label in order:
+        for task, records in merged["items"][label].items():
+            base = merged["items"]["nonshared"].get(task)
+            if label == "nonshared" or base is None:
+                continue
+            if [r["id"] for r in records] != [b["id"] for b in base]:
+                raise UsageError(f"{label} on {task} ran other items than NonShared")
+            rescore_agreement(records, base, merged["summary"][label][task])
+    for task in setup["sizes"]:
+        add_ttft_ratios(merged["summary"], task)
+    return merged
+
+
+def rescore_agreement(records: list[dict], baseline: list[dict], summary: dict) -> None:
+    for record, base in zip(records, baseline, strict=True):
+        record["same_text"] = record["final_answer"] == base["final_answer"]
+        record["same_answer"] = same_answer(record, base)
+    summary["agreement"] = mean(float(r["same_answer"]) for r in records)
+    summary["same_text_rate"] = mean(float(r["same_text"]) for r in records)
+
+
+def merge_dirs(dirs: list[str], out: Path) -> int:
+    reports = []
+    for d in dirs:
+        path = Path(d) / "results.json"
+        if not path.is_file():
+            raise UsageError(f"no results.json in {d}")
+        report = json.loads(path.read_text())
+        if report.get("setup", {}).get("experiment") != "accuracy":
+            raise UsageError(f"{path} is not an accuracy run")
+        reports.append(report)
+    report = merge_reports(reports)
+    write_outputs(report, out)
+    print((out / "table.md").read_text())
+    return 0
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -402,7 +504,7 @@ def efficiency_table(report: dict[str, Any], tasks: list[str]) -> list[str]:
             lines.append(
                 f"| {label} | {TITLES.get(t, t)} | {fmt(m['reuse_ratio_tokens'], '.2f')}"
                 f" | {fmt(m['ttft_nonfirst_mean_s'], '.3f')}"
-                f" | {fmt(m['ttft_ratio_vs_nonshared'], '.2f')}"
+                f" | {fmt(m.get('ttft_ratio_vs_nonshared'), '.2f')}"
                 f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['peak_rss_bytes'] / 2**20:.0f}"
                 f" | {m['pool_bytes'] / 1024:.0f} | {m['new_tokens_per_item']:.0f}"
                 f" | {m['s_per_item']:.1f} | {fmt(m['unparsed_rate'], '.2f')}"
@@ -484,6 +586,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge_dirs(args.merge, Path(args.out))
     benchmarks = parse_list(args.benchmarks, list(TASKS), "benchmark(s)")
     methods = parse_list(args.methods, list(METHODS), "method(s)")
     if args.limit is not None and args.limit < 1:
@@ -509,6 +613,7 @@ def run(args: argparse.Namespace) -> int:
         noise_floor=not args.no_noise_floor,
         fidelity=args.fidelity,
         budgets=(args.task_tokens, args.final_tokens),
+        with_nonshared=not args.without_nonshared,
         log=lambda m: print(m, file=sys.stderr, flush=True),
         on_update=lambda r: (out / "results.json").write_text(json.dumps(r, indent=1)),
     )
