@@ -11,6 +11,7 @@ import pytest
 from kvcmas.bench.experiments import EXPERIMENT_MODULES, accuracy, report, smoke
 from kvcmas.bench.tasks import TASKS, extract_answer, score, task_workflow
 from kvcmas.chat import SLOT_PATTERN
+from kvcmas.cli import UsageError
 from kvcmas.workflow.spec import load_workflow
 
 PROBLEM = {
@@ -62,6 +63,16 @@ def test_final_prompt_states_answer_format(task, needles):
     assert final.rindex(needles[0]) > final.rindex("{")
     for agent in wf.agents[:3]:
         assert needles[0] not in agent.prompt
+
+
+def test_mmlu_judge_reply_opens_with_the_answer_marker():
+    """The judge's 2-token reply after the ``Answer:`` prefix is exactly what the scorer reads;
+    a continuation past the letter is still malformed."""
+    judge = task_workflow("mmlu").agent("judge")
+    assert judge.reply_prefix == "Answer:" and judge.max_new_tokens == 2
+    assert extract_answer("mmlu", {}, judge.reply_prefix + " B.") == "B"
+    assert extract_answer("mmlu", {}, judge.reply_prefix + " B. Paris") is None
+    assert all(not a.reply_prefix for a in task_workflow("gsm8k").agents)
 
 
 def test_budget_overrides():
@@ -223,6 +234,70 @@ def test_plan_runs():
         ("nonshared-bf16", "nonshared", "bf16"),
     ]
     assert len(accuracy.plan_runs(["kvcmas"], "bf16", noise_floor=True)) == 2
+
+
+def _part(labels_tasks: dict[str, dict[str, list[str]]]) -> dict:
+    """A split-run part: per label and task, the extracted answers of items i0, i1, ..."""
+    base = synthetic_results()
+    tasks = sorted({t for per in labels_tasks.values() for t in per})
+    part = {
+        "setup": {**base["setup"], "sizes": {t: 2 for t in tasks}},
+        "summary": {},
+        "items": {},
+    }
+    part["setup"]["workflows"] = {t: base["setup"]["workflows"][t] for t in tasks}
+    for label, per_task in labels_tasks.items():
+        for task, answers in per_task.items():
+            records = [
+                {"id": f"i{i}", "answer": a, "final_answer": f"Answer: {a}"}
+                for i, a in enumerate(answers)
+            ]
+            part["items"].setdefault(label, {})[task] = records
+            part["summary"].setdefault(label, {})[task] = {
+                **_method_summary(0.5, None, n=2),
+                "ttft_nonfirst_mean_s": 0.4 if label == "nonshared" else 0.1,
+            }
+    return part
+
+
+def test_merge_split_runs_recomputes_agreement_against_nonshared():
+    a = _part({"nonshared": {"mmlu": ["A", "B"], "gsm8k": ["1", "2"]}})
+    b = _part({"kvcmas": {"mmlu": ["A", "C"], "gsm8k": ["1", "2"]}})
+    c = _part({"cacheblend": {"mmlu": ["D", "C"]}, "nonshared-bf16": {"mmlu": ["A", "B"]}})
+    merged = accuracy.merge_reports([c, b, a])
+    assert list(merged["summary"]) == ["nonshared", "cacheblend", "kvcmas", "nonshared-bf16"]
+    assert merged["setup"]["sizes"] == {"mmlu": 2, "gsm8k": 2}
+    s = merged["summary"]
+    assert s["kvcmas"]["mmlu"]["agreement"] == 0.5 and s["kvcmas"]["gsm8k"]["agreement"] == 1.0
+    assert s["cacheblend"]["mmlu"]["agreement"] == 0.0
+    assert s["nonshared-bf16"]["mmlu"]["agreement"] == 1.0
+    assert s["kvcmas"]["mmlu"]["ttft_ratio_vs_nonshared"] == 0.25
+    assert "gsm8k" not in s["cacheblend"]
+
+
+def test_merge_refuses_parts_that_do_not_fit():
+    a = _part({"nonshared": {"mmlu": ["A", "B"]}})
+    with pytest.raises(UsageError, match="none of the merged runs holds NonShared"):
+        accuracy.merge_reports([_part({"kvcmas": {"mmlu": ["A", "B"]}})])
+    with pytest.raises(UsageError, match="appears in two"):
+        accuracy.merge_reports([a, _part({"nonshared": {"mmlu": ["A", "B"]}})])
+    other_dtype = _part({"kvcmas": {"mmlu": ["A", "B"]}})
+    other_dtype["setup"]["dtype"] = "bf16"
+    with pytest.raises(UsageError, match="different dtype"):
+        accuracy.merge_reports([a, other_dtype])
+    more_items = _part({"kvcmas": {"mmlu": ["A", "B"]}})
+    more_items["setup"]["sizes"]["mmlu"] = 3
+    with pytest.raises(UsageError, match="2 and 3 mmlu items"):
+        accuracy.merge_reports([a, more_items])
+    other_ids = _part({"kvcmas": {"mmlu": ["A", "B"]}})
+    other_ids["items"]["kvcmas"]["mmlu"][1]["id"] = "x"
+    with pytest.raises(UsageError, match="other items than NonShared"):
+        accuracy.merge_reports([a, other_ids])
+
+
+def test_plan_runs_without_nonshared():
+    runs = accuracy.plan_runs(["kvcomm"], "fp32", noise_floor=True, with_nonshared=False)
+    assert runs == [("kvcomm", "kvcomm", "fp32"), ("nonshared-bf16", "nonshared", "bf16")]
 
 
 # ----------------------------------------------------------------------------- smoke
