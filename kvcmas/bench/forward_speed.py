@@ -10,13 +10,17 @@ import torch
 from kvcmas.model.loader import load_model, parse_dtype
 
 
-def _best_of(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, kernels
-    best = float("inf")
+def _best_of_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Best wall time of each function, run in turns (A B A B ...) after one warm-up each, so
+    that drift in the machine's state (caches, clocks, a neighbour) hits every side alike."""
+    for fn in fns.values():
+        fn()  # warm-up: allocator, kernels
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -41,7 +45,8 @@ def measure_prefill(
                 with torch.inference_mode():
                     hf(ids[None], logits_to_keep=1, use_cache=True)
 
-            t_ours, t_hf = _best_of(ours, repeats), _best_of(theirs, repeats)
+            best = _best_of_interleaved({"ours": ours, "theirs": theirs}, repeats)
+            t_ours, t_hf = best["ours"], best["theirs"]
             row = {
                 "model": loaded.name,
                 "dtype": dtype,
