@@ -252,6 +252,26 @@ def test_reply_prefix_opens_the_output_and_is_shared_with_its_kv(real_model):
     )
 
 
+@pytest.mark.real_model
+def test_reply_prefix_read_by_others_is_refused_by_hidden_state_methods(real_model):
+    from kvcmas.methods.droidspeak import DroidSpeak
+
+    def pair(prefix_on_read_agent: bool) -> Workflow:
+        a_prefix, b_prefix = ("Answer:", "") if prefix_on_read_agent else ("", "Answer:")
+        return Workflow(
+            "pair",
+            (
+                AgentSpec("a", "You are A.", "Question:\n{query}\n\nAnswer.", BUDGET, a_prefix),
+                AgentSpec("b", "You are B.", "{query}\n\nA said:\n{a}", BUDGET, b_prefix),
+            ),
+            "b",
+        )
+
+    with pytest.raises(WorkflowError, match="droidspeak cannot reuse a reply that opens"):
+        Runner(real_model, pair(True), DroidSpeak(block=(2, 4)))
+    Runner(real_model, pair(False), DroidSpeak(block=(2, 4)))  # the final agent's prefix is fine
+
+
 # ---------------------------------------------------------------- FullShared
 
 

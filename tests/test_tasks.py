@@ -78,6 +78,9 @@ def test_mmlu_judge_reply_opens_with_the_answer_marker():
 def test_budget_overrides():
     wf = task_workflow("gsm8k", task_tokens=5, final_tokens=7)
     assert [a.max_new_tokens for a in wf.agents] == [5, 5, 5, 7]
+    # overrides cap: a quick run keeps MMLU's 2-token judge
+    wf = task_workflow("mmlu", task_tokens=8, final_tokens=24)
+    assert [a.max_new_tokens for a in wf.agents] == [8, 8, 8, 2]
     with pytest.raises(ValueError, match="no task workflow"):
         task_workflow("arc")
 
@@ -265,7 +268,7 @@ def test_merge_split_runs_recomputes_agreement_against_nonshared():
     b = _part({"kvcmas": {"mmlu": ["A", "C"], "gsm8k": ["1", "2"]}})
     c = _part({"cacheblend": {"mmlu": ["D", "C"]}, "nonshared-bf16": {"mmlu": ["A", "B"]}})
     merged = accuracy.merge_reports([c, b, a])
-    assert list(merged["summary"]) == ["nonshared", "cacheblend", "kvcmas", "nonshared-bf16"]
+    assert list(merged["summary"]) == ["nonshared", "kvcmas", "cacheblend", "nonshared-bf16"]
     assert merged["setup"]["sizes"] == {"mmlu": 2, "gsm8k": 2}
     s = merged["summary"]
     assert s["kvcmas"]["mmlu"]["agreement"] == 0.5 and s["kvcmas"]["gsm8k"]["agreement"] == 1.0

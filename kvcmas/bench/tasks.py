@@ -60,13 +60,14 @@ class TaskSpec:
     final_reply_prefix: str = ""  # opens the decision agent's reply (see MMLU)
 
     def workflow(self, task_tokens: int | None = None, final_tokens: int | None = None) -> Workflow:
-        """The roster; budgets default to the task's own (overrides are for quick runs)."""
+        """The roster; overrides (for quick runs) cap the task's own budgets, so that a short
+        run keeps MMLU's 2-token judge."""
         return roster(
             name=f"{self.name}-roster",
             roles=self.roles,
             decider=self.decider,
-            task_tokens=task_tokens or self.task_tokens,
-            final_tokens=final_tokens or self.final_tokens,
+            task_tokens=min(task_tokens or self.task_tokens, self.task_tokens),
+            final_tokens=min(final_tokens or self.final_tokens, self.final_tokens),
             final_reply_prefix=self.final_reply_prefix,
         )
 

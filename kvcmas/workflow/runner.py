@@ -138,7 +138,22 @@ class Runner:
         self._ref_runner = None
         if reference is not None and reference_answers:
             self._ref_runner = Runner(reference, workflow, NonShared(), reference_answers=False)
+        self._check_reply_prefixes()
         self._warm_prefixes()
+
+    def _check_reply_prefixes(self) -> None:
+        """Methods that save decode-time hidden states (DroidSpeak, RelayCaching) hold them
+        for generated tokens only; a read reply with a prefix would lose them silently."""
+        # The capture layers resolve only once the model is seen; overriding the hook is the sign.
+        if type(self.method).decode_capture_layers is Method.decode_capture_layers:
+            return
+        read = {s for a in self.workflow.agents for s in a.slots}
+        for agent in self.workflow.agents:
+            if agent.reply_prefix and agent.name in read:
+                raise WorkflowError(
+                    f"agent {agent.name!r}: {self.method.name} cannot reuse a reply that opens "
+                    "with reply_prefix; give the prefix only to agents no one reads"
+                )
 
     def _warm_prefixes(self) -> None:
         """Build every agent's system-prefix cache before any request: shared by all methods."""

@@ -11,6 +11,7 @@ runs on the same model, requests and system-prefix caches, NonShared first.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -68,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fidelity", action="store_true", help="also measure every hop against NonShared fp32"
     )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 row")
-    p.add_argument("--task-tokens", type=int, help="override the task agents' budget (quick runs)")
-    p.add_argument("--final-tokens", type=int, help="override the decision agent's budget")
+    p.add_argument("--task-tokens", type=int, help="cap the task agents' budget (quick runs)")
+    p.add_argument("--final-tokens", type=int, help="cap the decision agent's budget")
     add_model_args(p)
     add_method_args(p)
 
@@ -327,10 +328,14 @@ def new_report(
 
 
 def workflow_facts(workflow: Workflow) -> dict[str, Any]:
+    """What a run's answers depend on; split runs merge only where these agree."""
+    prompts = json.dumps([[a.system, a.prompt, a.reply_prefix] for a in workflow.agents])
     return {
         "name": workflow.name,
         "agents": [a.name for a in workflow.agents],
         "max_new_tokens": {a.name: a.max_new_tokens for a in workflow.agents},
+        "reply_prefix": {a.name: a.reply_prefix for a in workflow.agents if a.reply_prefix},
+        "prompts_sha256": hashlib.sha256(prompts.encode()).hexdigest()[:16],
     }
 
 
@@ -378,13 +383,16 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         for label, per_task in r["summary"].items():
             for task, summary in per_task.items():
                 if task in merged["summary"].get(label, {}):
-                    raise UsageError(f"{label} on {task} appears in two of the merged runs")
+                    raise UsageError(
+                        f"{label} on {task} appears in two of the merged runs (run the noise "
+                        "floor in one part only: --no-noise-floor in the others)"
+                    )
                 merged["summary"].setdefault(label, {})[task] = summary
                 merged["items"].setdefault(label, {})[task] = r["items"][label][task]
     if "nonshared" not in merged["summary"]:
         raise UsageError("none of the merged runs holds NonShared, the agreement reference")
-    order = ["nonshared"] + [x for x in merged["summary"] if x not in ("nonshared", NOISE_FLOOR)]
-    order += [NOISE_FLOOR] if NOISE_FLOOR in merged["summary"] else []
+    known = list(METHODS) + [NOISE_FLOOR]  # registry order; unknown labels after the methods
+    order = sorted(merged["summary"], key=lambda x: known.index(x) if x in known else len(METHODS))
     merged["summary"] = {label: merged["summary"][label] for label in order}
     merged["items"] = {label: merged["items"][label] for label in order}
     setup = merged["setup"]

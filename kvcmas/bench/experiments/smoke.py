@@ -55,6 +55,7 @@ def write_smoke_workflow(out_dir: Path) -> Path:
                 "system": a.system,
                 "prompt": a.prompt,
                 "max_new_tokens": a.max_new_tokens,
+                **({"reply_prefix": a.reply_prefix} if a.reply_prefix else {}),
             }
             for a in workflow.agents
         ],
