@@ -26,7 +26,10 @@ class LayerWeights:
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     ln_mlp: torch.Tensor
-    w_gate_up: torch.Tensor  # gate and up projections fused into one GEMM
+    # Gate and up stay two GEMMs: one fused [2I, H] GEMM with strided halves measured 5% slower
+    # at 4K-token prefill (fp32, 1 thread), while q/k/v fuse well.
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
     w_down: torch.Tensor
 
 
@@ -84,9 +87,8 @@ class Transformer:
                     bqkv=bias,
                     wo=get(a + "o_proj.weight"),
                     ln_mlp=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat(
-                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-                    ),
+                    w_gate=get(p + "mlp.gate_proj.weight"),
+                    w_up=get(p + "mlp.up_proj.weight"),
                     w_down=get(p + "mlp.down_proj.weight"),
                 )
             )
@@ -160,8 +162,8 @@ class Transformer:
         cache.write(layer, positions, k, v)
         h = hidden + F.linear(self._attend(q, cache, layer, positions), w.wo)
         x = self._rms_norm(h, w.ln_mlp)
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.w_down)
+        act = F.silu(F.linear(x, w.w_gate)).mul_(F.linear(x, w.w_up))
+        return h + F.linear(act, w.w_down)
 
     def forward(
         self,
