@@ -13,9 +13,9 @@ rejects. With the prefix and budget it writes ``Answer: A`` or ``Answer: A.``; a
 it writes there is still scored as malformed.
 
 Token budgets (new tokens per hop), chosen so that 60 MMLU + 60 GSM8K + 30 HumanEval items
-decode at most ~39k tokens per method: about 30-40 minutes with SmolLM2-135M in fp32 on two
-idle CPU cores (decode ~30 tokens/s plus prefill); measured on a shared, loaded 2-core machine,
-NonShared took 9 / 34 / 47 s per MMLU / GSM8K / HumanEval item, ~66 minutes per method.
+decode at most ~36k tokens per method. Measured with SmolLM2-135M in fp32 on one torch thread
+per method (two methods at a time on the 2-core machine), NonShared took 7.6 / 17.5 / 22.7 s
+per MMLU / GSM8K / HumanEval item: about 39 minutes per method.
 
 ========== ============ =============== =========================
 benchmark  task agents  decision agent  most new tokens / request

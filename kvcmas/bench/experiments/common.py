@@ -42,6 +42,14 @@ class Progress:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    # A child process (see ``in_child``) gets the name and start, and logs to its own stderr;
+    # perf_counter is system-wide on Linux, so its stamps continue the parent's.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "start": self.start}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, stream=sys.stderr)
+
 
 def parse_list(text: str, kind: Callable[[str], Any] = int) -> list:
     """``"1,2,4"`` -> ``[1, 2, 4]``; an empty item is an error."""
@@ -196,12 +204,13 @@ def speed_summary(results: list[RequestResult]) -> dict[str, Any]:
 
 
 def in_child(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a forked child process; its return value comes back pickled.
+    """``fn(*args)`` in a fresh child process, so that its peak RSS is the run's own high-water
+    mark; ``fn`` must be a module-level function and the arguments and result picklable.
 
-    The child starts with the parent's memory (the loaded model), so its peak RSS is the
-    run's own high-water mark and does not include earlier runs of the experiment.
+    The child is spawned, not forked: a fork taken while torch's OpenMP threads exist can
+    deadlock in the child (seen: a context-sweep child asleep on a futex for minutes).
     """
-    ctx = multiprocessing.get_context("fork")  # fork: fn and args are inherited, not pickled
+    ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(send, fn, args))
     child.start()

@@ -157,6 +157,13 @@ def run_one(
     }
 
 
+def run_one_loading(model_spec: str, dtype: str, *call: Any) -> dict[str, Any]:
+    """``run_one`` in a child process, which loads the model from the local cache first."""
+    from kvcmas.model.loader import load_model
+
+    return run_one(load_model(model_spec, dtype), *call)
+
+
 def sweep(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     from kvcmas.model.loader import load_model
 
@@ -175,9 +182,12 @@ def sweep(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
         docs = documents(loaded.tokenizer, texts, size, args.warmup + args.measure)
         for name in methods:
             log(f"size {size}: {name} ...")
-            call = (loaded, workflow, name, params, docs, args.warmup, log)
+            call = (workflow, name, params, docs, args.warmup, log)
             try:
-                run = common.in_child(run_one, *call) if args.isolate else run_one(*call)
+                if args.isolate:  # the child loads the model itself (a second or so)
+                    run = common.in_child(run_one_loading, args.model, args.dtype, *call)
+                else:
+                    run = run_one(loaded, *call)
             except RuntimeError as e:  # e.g. a full-dimensional pool out of memory
                 run = {"method": name, "summary": None, "error": str(e)[-2000:]}
                 log(f"size {size}: {name} FAILED: {str(e).strip().splitlines()[-1]}")
