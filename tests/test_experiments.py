@@ -86,7 +86,7 @@ def test_trace_workflow_chains_every_earlier_output():
     assert wf.final == "writer"
 
 
-def test_trace_lengths_and_size_cap(real_model):
+def test_trace_lengths_and_size_cap(real_model, monkeypatch):
     tok = real_model.tokenizer
     wf = context_sweep.trace_workflow(4, 128)
     overhead = context_sweep.overhead_tokens(tok, wf)
@@ -103,6 +103,18 @@ def test_trace_lengths_and_size_cap(real_model):
     assert len(set(docs)) == 3  # different content, same size
     with pytest.raises(ValueError, match="not enough text"):
         context_sweep.documents(tok, texts[:5], 100, 3)
+    # A block that no cut fits is skipped, not fatal: the next texts make the document.
+    real_cut, calls = context_sweep.exact_prefix, []
+
+    def first_block_fails(tokenizer, ids, n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise ValueError("no cut")
+        return real_cut(tokenizer, ids, n)
+
+    monkeypatch.setattr(context_sweep, "exact_prefix", first_block_fails)
+    skipped = context_sweep.documents(tok, texts, 100, 3)
+    assert len(calls) == 4 and skipped[0] == docs[1]
 
 
 def test_ablation_workflows():

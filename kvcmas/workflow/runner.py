@@ -254,10 +254,11 @@ class Runner:
             self.method.after_decode(hop, out.captured)
         n = len(prompt)
         # The reply prefix is the opening of the agent's reply: successors read it too.
-        reply = tokenize(self.loaded.tokenizer, agent.reply_prefix) + tuple(out.tokens)
+        prefix = tokenize(self.loaded.tokenizer, agent.reply_prefix)  # the prompt's last tokens
+        reply = prefix + tuple(out.tokens)
         produced = SharedSegment(agent.name, "agent", reply)
         if self.method.reads_sources:
-            begin, end = n - len(reply) + len(out.tokens), n + len(out.tokens)
+            begin, end = n - len(prefix), n + len(out.tokens)
             produced.record(agent.name, SegmentKV.from_cache(cache, begin, end, model.inv_freq))
             publish_sources(hop, build, model)
         self.method.after_hop(hop, build)
