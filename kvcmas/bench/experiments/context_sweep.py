@@ -7,7 +7,7 @@ agent output is exactly ``--output-tokens`` tokens: the end-of-turn token is ign
 ``ignore_eos``; the token, if chosen, stays in the output as an ordinary token). Methods that
 keep state across requests (anchor pools, residuals) first run ``--warmup`` requests on other
 documents of the same size; every method is measured on the same ``--measure`` requests.
-Each (size, method) runs in a forked child process, so its peak RSS is its own.
+Each (size, method) runs in a spawned child process, so its peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"with state ran {s['warmup_requests']} warm-up requests on other documents first. "
         "Peak state is the largest KV + held sources + method state of any hop; peak RSS is "
         "the process high-water mark of the run"
-        + (" (each run in its own forked process)." if results["isolated_processes"] else "."),
+        + (" (each run in its own child process)." if results["isolated_processes"] else "."),
     ]
     for req, used in results["capped"].items():
         lines.append(
