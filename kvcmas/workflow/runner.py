@@ -139,6 +139,8 @@ class Runner:
         if reference is not None and reference_answers:
             self._ref_runner = Runner(reference, workflow, NonShared(), reference_answers=False)
         self._check_reply_prefixes()
+        tok = loaded.tokenizer
+        self._reply_prefixes = {a.name: tokenize(tok, a.reply_prefix) for a in workflow.agents}
         self._warm_prefixes()
 
     def _check_reply_prefixes(self) -> None:
@@ -165,7 +167,7 @@ class Runner:
                 self._ref_prefixes.get(self.reference.model, prefix)
 
     def _segments(self, agent, slot_tokens):
-        reply_prefix = tokenize(self.loaded.tokenizer, agent.reply_prefix)
+        reply_prefix = self._reply_prefixes[agent.name]
         segs = render_segments(
             self.loaded.tokenizer, agent.system, agent.prompt, slot_tokens, reply_prefix
         )
@@ -254,7 +256,7 @@ class Runner:
             self.method.after_decode(hop, out.captured)
         n = len(prompt)
         # The reply prefix is the opening of the agent's reply: successors read it too.
-        prefix = tokenize(self.loaded.tokenizer, agent.reply_prefix)  # the prompt's last tokens
+        prefix = self._reply_prefixes[agent.name]  # the prompt's last tokens
         reply = prefix + tuple(out.tokens)
         produced = SharedSegment(agent.name, "agent", reply)
         if self.method.reads_sources:

@@ -129,9 +129,14 @@ def item_record(
         "new_tokens": sum(h.output_tokens for h in result.hops),
     }
     if baseline is not None:
-        record["same_text"] = result.final_answer == baseline["final_answer"]
-        record["same_answer"] = same_answer(record, baseline)
+        mark_agreement(record, baseline)
     return record
+
+
+def mark_agreement(record: dict, baseline: dict) -> None:
+    """Store whether ``record`` has NonShared's final text and answer on the same item."""
+    record["same_text"] = record["final_answer"] == baseline["final_answer"]
+    record["same_answer"] = same_answer(record, baseline)
 
 
 def same_answer(record: dict, baseline: dict) -> bool:
@@ -417,8 +422,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def rescore_agreement(records: list[dict], baseline: list[dict], summary: dict) -> None:
     for record, base in zip(records, baseline, strict=True):
-        record["same_text"] = record["final_answer"] == base["final_answer"]
-        record["same_answer"] = same_answer(record, base)
+        mark_agreement(record, base)
     summary["agreement"] = mean(float(r["same_answer"]) for r in records)
     summary["same_text_rate"] = mean(float(r["same_text"]) for r in records)
 
