@@ -7,11 +7,9 @@ import json
 import sys
 import time
 
+from kvcmas.errors import UsageError
+from kvcmas.experiments.args import add_method_args, add_model_args, method_options
 from kvcmas.model.loader import DEFAULT_MODEL, DTYPES
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -58,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_forward(args: argparse.Namespace) -> int:
-    from kvcmas.bench.forward_speed import machine_description, measure_prefill
+    from kvcmas.experiments.forward_speed import machine_description, measure_prefill
 
     lengths = tuple(int(x) for x in args.lengths.split(","))
     print(f"prefill throughput, model {args.model}, machine: {machine_description()}")
@@ -69,19 +67,16 @@ def cmd_bench_forward(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.methods import make_method
     from kvcmas.model.loader import load_model
     from kvcmas.workflow.runner import Runner, read_requests
-    from kvcmas.workflow.spec import load_workflow
 
     workflow = load_workflow(args.workflow)
     requests = read_requests(args.requests) if args.requests else [{"query": args.question}]
     for r in requests:
         workflow.check_request(r)
-    try:
-        method = make_method(args.method, **method_params(args))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    method = make_method(args.method, method_options(args))
     loaded = load_model(args.model, args.dtype)
     reference = None
     if args.compare:
@@ -128,48 +123,13 @@ def print_result_table(i, result) -> None:
         print(f"  same final answer as NonShared: {result.same_final_answer}")
 
 
-def method_params(args: argparse.Namespace) -> dict:
-    """Method knobs given on the command line (only those the user set)."""
-    return {k[2:]: v for k, v in vars(args).items() if k.startswith("m_") and v is not None}
-
-
-def add_method_args(p: argparse.ArgumentParser) -> None:
-    """Knobs of the reuse methods; each method accepts its own and rejects the rest."""
-    g = p.add_argument_group("method parameters")
-    g.add_argument("--pool-size", dest="m_pool_size", type=int)
-    g.add_argument("--rank", dest="m_rank", type=int, help="delta rank r (0 = full)")
-    g.add_argument("--base-rank", dest="m_base_rank", type=int, help="base rank (0 = full)")
-    g.add_argument("--temperature", dest="m_temperature", type=float)
-    g.add_argument("--tau", dest="m_tau", type=float)
-    g.add_argument("--min-anchors", dest="m_min_anchors", type=int)
-    g.add_argument("--no-chain", dest="m_chain", action="store_const", const=False)
-    g.add_argument("--ratio", dest="m_ratio", type=float, help="CacheBlend recompute ratio")
-    g.add_argument("--check-layer", dest="m_check_layer", type=int, help="CacheBlend check layer")
-    g.add_argument(
-        "--select-by",
-        dest="m_select_by",
-        choices=["value", "key"],
-        help="CacheBlend deviation on values (released code) or keys",
-    )
-    g.add_argument("--block", dest="m_block", help="DroidSpeak recomputed layers START:END")
-    g.add_argument("--relay-layers", dest="m_layers", help="RelayCaching bands L_START:L_DET:L_END")
-    g.add_argument("--tau-dev", dest="m_tau_dev", type=float)
-    g.add_argument("--tau-inf", dest="m_tau_inf", type=float)
-    g.add_argument(
-        "--residual-topk",
-        dest="m_residual_topk",
-        type=int,
-        help="GraphFlow sparse residual tokens per (slot, consumer) path",
-    )
-
-
 def cmd_bench_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvcmas.bench.compare import compare, write_report
-    from kvcmas.bench.requests import load_requests
+    from kvcmas.eval.requests import load_requests
+    from kvcmas.eval.tasks import load_workflow
+    from kvcmas.experiments.compare import compare, write_report
     from kvcmas.methods import METHODS
-    from kvcmas.workflow.spec import load_workflow
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -187,7 +147,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         workflow,
         requests,
         methods,
-        method_params(args),
+        method_options(args),
         noise_floor=not args.no_noise_floor,
         fidelity=not args.no_fidelity,
         log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -200,7 +160,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvcmas.bench.data import ALL_DATASETS, default_data_dir, prepare_datasets
+    from kvcmas.eval.data import ALL_DATASETS, default_data_dir, prepare_datasets
 
     names = tuple(args.datasets.split(",")) if args.datasets else ALL_DATASETS
     unknown = [n for n in names if n not in ALL_DATASETS]
@@ -215,7 +175,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvcmas.demo import run_demo
+    from kvcmas.experiments.demo import run_demo
 
     return run_demo(args.model, args.dtype)
 
@@ -281,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_args(c)
     c.set_defaults(func=cmd_bench_compare)
 
-    from kvcmas.bench.experiments import register_all
+    from kvcmas.experiments import register_all
 
     register_all(bsub)
 
@@ -294,18 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="'smollm2-135m' (embedded default), 'qwen2.5-coder-0.5b', a HF folder or a .gguf",
-    )
-    p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(DTYPES)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvcmas.bench.data import DataMissingError
+    from kvcmas.eval.data import DataMissingError
     from kvcmas.model.config import UnsupportedModelError
     from kvcmas.model.loader import ModelLoadError
     from kvcmas.workflow.spec import WorkflowError

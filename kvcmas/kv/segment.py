@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcmas.kv.cache import KVCache
+from kvcmas.model.cache import KVCache
 from kvcmas.model.rope import rotate_keys
 
 

@@ -9,14 +9,15 @@ caches that earlier hops hold of it (its *sources*).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from kvcmas.chat import Segment
-from kvcmas.kv.cache import KVCache
 from kvcmas.kv.segment import SegmentKV, place_segment
+from kvcmas.methods.config import MethodConfig
+from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
 
@@ -53,7 +54,7 @@ class Hop:
     """One agent call: its segments (the first is the cached system prefix) and shared state."""
 
     agent: str
-    request_index: int
+    session: str  # scopes per-request state (saved hidden states, reference prefills)
     step: int  # position of this hop in the request's execution order
     segments: list[Segment]
     shared: dict[str, SharedSegment]
@@ -77,6 +78,7 @@ class SegmentRecord:
     length: int
     decision: str  # "dense", "reuse" (all layers reused) or "partial" (some pairs recomputed)
     computed_pairs: int  # (token, layer) pairs computed through the model for this segment
+    served_tokens: int = 0  # tokens served from a source: neither dense nor selected (rho)
     entropy: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -92,18 +94,41 @@ class HopBuild:
 
 
 class Method(ABC):
-    """A way of building a hop's context KV. Instances live across requests (pools persist)."""
+    """A way of building a hop's context KV. Instances live across requests (pools persist).
+
+    Capabilities are explicit class members, read by the runner and the serving connector:
+    ``reads_sources`` (the runner keeps each hop's segment caches for it) and
+    ``needs_hidden_states`` (it saves hidden states of shared spans while they are computed or
+    decoded, which a serving engine that hands over only KV cannot provide).
+    """
 
     name: ClassVar[str]
-    reads_sources: ClassVar[bool] = True  # False: the runner keeps no segment caches for it
+    Config: ClassVar[type[MethodConfig]] = MethodConfig
+    reads_sources: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, config: MethodConfig | None = None):
+        config = self.Config() if config is None else config
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{self.name} takes a {self.Config.__name__}, got {type(config)}")
+        self.config = config
 
     def params(self) -> dict[str, Any]:
         """The method's parameters, reported with every result."""
-        return {}
+        return self.config.to_json()
 
     def memory_bytes(self) -> int:
         """Bytes of state the method keeps across hops (anchor pools, saved hidden states)."""
         return 0
+
+    def pool_report(self, n_layers: int, width: int) -> dict[str, int] | None:
+        """Anchor-pool bytes (measured and analytic) for methods that keep pools; else None."""
+        return None
+
+    def flush(self) -> float:
+        """Finish deferred background work (anchor construction); seconds it took here.
+        Runs are deterministic after a flush: tests and replays call it between requests."""
+        return 0.0
 
     def build(self, hop: Hop, model: Transformer, cache: KVCache) -> HopBuild:
         """Extend ``cache`` (holding the system prefix) with the rest of the hop's prompt."""
@@ -118,11 +143,8 @@ class Method(ABC):
             else:
                 start = cache.length
                 logits = model.prefill(seg.tokens, cache)
-                records.append(
-                    SegmentRecord(
-                        None, "private", start, len(seg), "dense", len(seg) * model.config.n_layers
-                    )
-                )
+                pairs = len(seg) * model.config.n_layers
+                records.append(SegmentRecord(None, "private", start, len(seg), "dense", pairs))
         if logits is None:
             raise ValueError("a hop's prompt must end with private text (the generation prompt)")
         return HopBuild(cache, logits, records)
@@ -134,17 +156,54 @@ class Method(ABC):
         """Append the K/V of shared segment ``seg`` to ``cache`` and say how."""
 
     def after_hop(self, hop: Hop, build: HopBuild) -> None:  # noqa: B027 - optional hook
-        """Off the critical path, after the first token (anchor construction may go here)."""
+        """After the hop's first token: queue background work (anchor construction)."""
 
     def decode_capture_layers(self) -> tuple[int, ...]:
         """Layers whose hidden input the runner captures for an agent's output tokens while
-        decoding them (DroidSpeak's and RelayCaching's saved hidden states); none by default."""
+        decoding them (only for ``needs_hidden_states`` methods)."""
         return ()
 
     def after_decode(  # noqa: B027 - optional hook
         self, hop: Hop, captured: dict[int, torch.Tensor]
     ) -> None:
         """Receives ``layer -> [n_output_tokens, hidden]`` for ``decode_capture_layers()``."""
+
+
+@dataclass(frozen=True)
+class ReuseCounts:
+    """The one definition of reuse (METHOD.md section 5), summed over any set of records.
+
+    ``rho`` is the share of shared tokens served from a source: neither prefilled densely nor
+    selected for recomputation (recomputing *all* tokens in a fixed set of layers, as
+    DroidSpeak's block or CacheBlend's check layer do, does not unselect a token; it shows in
+    the recompute fraction). ``recompute_fraction`` is computed (token, layer) pairs of shared
+    tokens over the pairs a dense prefill computes.
+    """
+
+    shared_tokens: int = 0
+    served_tokens: int = 0
+    computed_pairs: int = 0
+    dense_pairs: int = 0
+
+    @classmethod
+    def of(cls, records: list[SegmentRecord], n_layers: int) -> ReuseCounts:
+        shared = [r for r in records if r.slot is not None]
+        n = sum(r.length for r in shared)
+        return cls(
+            n, sum(r.served_tokens for r in shared), sum(r.computed_pairs for r in shared),
+            n * n_layers,
+        )
+
+    def __add__(self, other: ReuseCounts) -> ReuseCounts:
+        return ReuseCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def rho(self) -> float | None:
+        return self.served_tokens / self.shared_tokens if self.shared_tokens else None
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        return self.computed_pairs / self.dense_pairs if self.dense_pairs else None
 
 
 def dense_shared(
@@ -157,9 +216,8 @@ def dense_shared(
     """Prefill a shared segment densely in the hop's context built so far."""
     start = cache.length
     model.prefill(seg.tokens, cache)
-    return SegmentRecord(
-        seg.slot, shared.kind, start, len(seg), "dense", len(seg) * model.config.n_layers, entropy
-    )
+    pairs = len(seg) * model.config.n_layers
+    return SegmentRecord(seg.slot, shared.kind, start, len(seg), "dense", pairs, entropy=entropy)
 
 
 def standalone_prefill(model: Transformer, tokens: tuple[int, ...]) -> SegmentKV:
@@ -182,4 +240,5 @@ def reuse_shared(
     if len(kv) != len(seg):
         raise ValueError(f"source of slot {seg.slot!r} has {len(kv)} tokens, segment {len(seg)}")
     start = place_segment(cache, kv, model.inv_freq)
-    return SegmentRecord(seg.slot, shared.kind, start, len(seg), "reuse", 0, details=details)
+    n = len(seg)
+    return SegmentRecord(seg.slot, shared.kind, start, n, "reuse", 0, n, details=details)

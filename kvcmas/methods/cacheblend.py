@@ -27,11 +27,13 @@ Interpretation at the ends of the ``ratio`` range:
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvcmas.methods.base import Method, SegmentRecord, dense_shared
+from kvcmas.methods.config import MethodConfig, option, require
 from kvcmas.methods.selective import place_source, recompute_record, segment_rows
 
 
@@ -40,35 +42,39 @@ def selected_count(ratio: float, n: int) -> int:
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
+@dataclass(frozen=True)
+class CacheBlendConfig(MethodConfig):
+    method: ClassVar[str] = "cacheblend"
+    ratio: float = option(0.15, "CacheBlend: fraction of shared tokens recomputed")
+    check_layer: int = option(1, "CacheBlend: layer where deviation is measured")
+    select_by: str = option(
+        "value", "CacheBlend: deviation on values (released code) or keys", "--select-by"
+    )
+
+    def check(self) -> None:
+        require(0.0 <= self.ratio <= 1.0, self.method, f"ratio must be in [0, 1], got {self.ratio}")
+        require(self.check_layer >= 0, self.method, "check_layer must be >= 0")
+        require(
+            self.select_by in ("value", "key"), self.method, "select_by must be 'value' or 'key'"
+        )
+
+
 class CacheBlend(Method):
     name = "cacheblend"
-
-    def __init__(self, ratio: float = 0.15, check_layer: int = 1, select_by: str = "value"):
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-        if check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {check_layer}")
-        if select_by not in ("value", "key"):
-            raise ValueError(f"select_by must be 'value' or 'key', got {select_by!r}")
-        self.ratio = float(ratio)
-        self.check_layer = int(check_layer)
-        self.select_by = select_by
-
-    def params(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "check_layer": self.check_layer, "select_by": self.select_by}
+    Config = CacheBlendConfig
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if shared.latest is None:
             return dense_shared(seg, shared, model, cache)
-        n_layers, c = model.config.n_layers, self.check_layer
+        n_layers, c = model.config.n_layers, self.config.check_layer
         if c >= n_layers:
             raise ValueError(f"check_layer {c} is not below the model's {n_layers} layers")
         start = place_source(seg, shared, model, cache)
         n = len(seg)
-        k = selected_count(self.ratio, n)
+        k = selected_count(self.config.ratio, n)
         details = {"selected": k, "check_layer": c}
         if k == 0:
-            return recompute_record(seg, shared, start, 0, n_layers, **details)
+            return recompute_record(seg, shared, start, 0, n_layers, n, **details)
         rows = segment_rows(start, n)
         reused = self._checked(cache, c, start, n).clone()
         out = model.forward(
@@ -86,8 +92,8 @@ class CacheBlend(Method):
                 logits_rows=None,
             )
         pairs = n * (c + 1) + k * (n_layers - c - 1)
-        return recompute_record(seg, shared, start, pairs, n_layers, **details)
+        return recompute_record(seg, shared, start, pairs, n_layers, n - k, **details)
 
     def _checked(self, cache, layer: int, start: int, n: int) -> torch.Tensor:
-        store = cache.v if self.select_by == "value" else cache.k
+        store = cache.v if self.config.select_by == "value" else cache.k
         return store[layer, :, start : start + n]

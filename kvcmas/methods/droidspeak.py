@@ -16,7 +16,7 @@ Interpretations (the public description is thin):
   the extra pairs are counted (``details["from_layer"] = 0``). The E-cache of the current
   request is reported by ``memory_bytes()``.
 * **Block.** ``block`` is ``"S:E"``, a tuple, or the path of a profile JSON written by
-  :func:`kvcmas.bench.profiles.profile_droidspeak_block` (the smallest block within a
+  :func:`kvcmas.eval.profiles.profile_droidspeak_block` (the smallest block within a
   first-token-KL tolerance against dense on a calibration split, one-hop replay from dense
   sources). ``block=None`` uses :func:`default_block`, derived from that profile on the
   default model (see its docstring).
@@ -26,14 +26,16 @@ Interpretations (the public description is thin):
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from kvcmas.errors import ConfigError
 from kvcmas.methods.base import Method, SegmentRecord
+from kvcmas.methods.config import MethodConfig, option
 from kvcmas.methods.selective import (
     HiddenStore,
-    LayerSpec,
     check_layers,
     dense_saving_hidden,
     parse_layer_spec,
@@ -49,7 +51,7 @@ def default_block(n_layers: int) -> tuple[int, int]:
     """The block used without a profile: layers ``[round(0.2 L), round(0.93 L))``, [6, 28) of
     the default model's 30 layers.
 
-    It is what :func:`~kvcmas.bench.profiles.profile_droidspeak_block` chose on the default
+    It is what :func:`~kvcmas.eval.profiles.profile_droidspeak_block` chose on the default
     model (fp32, roster workflow, 3 calibration questions distinct from the report questions,
     9 hops, tolerance: mean first-token KL <= 0.005 against dense). Reuse without recompute
     gave KL 0.033 there; the best blocks of 3, 6, 9 and 15 layers reached 0.024 ([15, 18)),
@@ -61,11 +63,28 @@ def default_block(n_layers: int) -> tuple[int, int]:
     return round(a * n_layers), max(round(a * n_layers), round(b * n_layers))
 
 
+@dataclass(frozen=True)
+class DroidSpeakConfig(MethodConfig):
+    method: ClassVar[str] = "droidspeak"
+    block: str | None = option(
+        None, "DroidSpeak: recomputed layers START:END, or a profile JSON (default: profiled)"
+    )
+
+    def check(self) -> None:
+        try:
+            parse_layer_spec(self.block, 2, "block")
+        except ValueError as e:
+            raise ConfigError(f"method 'droidspeak': {e}") from None
+
+
 class DroidSpeak(Method):
     name = "droidspeak"
+    Config = DroidSpeakConfig
+    needs_hidden_states = True
 
-    def __init__(self, block: LayerSpec = None):
-        self._spec = parse_layer_spec(block, 2, "block")
+    def __init__(self, config: DroidSpeakConfig | None = None):
+        super().__init__(config)
+        self._spec = parse_layer_spec(self.config.block, 2, "block")
         self._block: tuple[int, int] | None = None
         self.hidden_store = HiddenStore()
 
@@ -92,9 +111,9 @@ class DroidSpeak(Method):
         s, e = self._block or (0, 0)
         return (s,) if 0 < s < e else ()
 
-    def after_decode(self, hop, captured: dict[int, torch.Tensor]) -> None:
+    def after_decode(self, hop, tokens, captured: dict[int, torch.Tensor]) -> None:
         for layer, hidden in captured.items():
-            self.hidden_store.put(hop.request_index, hop.agent, layer, hidden)
+            self.hidden_store.put(hop.session, tokens, layer, hidden)
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         n_layers = model.config.n_layers
@@ -105,8 +124,8 @@ class DroidSpeak(Method):
         start = place_source(seg, shared, model, cache)
         n = len(seg)
         if s == e:
-            return recompute_record(seg, shared, start, 0, n_layers, block=[s, e])
-        hidden = self.hidden_store.get(hop.request_index, seg.slot, s, n) if s > 0 else None
+            return recompute_record(seg, shared, start, 0, n_layers, n, block=[s, e])
+        hidden = self.hidden_store.get(hop.session, seg.tokens, s) if s > 0 else None
         first = s if hidden is not None else 0
         model.forward(
             torch.tensor(seg.tokens) if hidden is None else None,
@@ -117,4 +136,6 @@ class DroidSpeak(Method):
             logits_rows=None,
         )
         pairs = n * (e - first)
-        return recompute_record(seg, shared, start, pairs, n_layers, block=[s, e], from_layer=first)
+        return recompute_record(
+            seg, shared, start, pairs, n_layers, n, block=[s, e], from_layer=first
+        )

@@ -28,7 +28,7 @@ Interpretations (the public description is thin):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +39,7 @@ from kvcmas.methods.base import (
     dense_shared,
     standalone_prefill,
 )
+from kvcmas.methods.config import MethodConfig, option, require
 
 
 @dataclass
@@ -69,30 +70,36 @@ def top_residual(dense: SegmentKV, base: SegmentKV, topk: int) -> Residual:
     return Residual(idx, dk[:, :, idx].clone(), dv[:, :, idx].clone())
 
 
+@dataclass(frozen=True)
+class GraphFlowConfig(MethodConfig):
+    method: ClassVar[str] = "graphflow"
+    residual_topk: int = option(16, "GraphFlow: sparse residual tokens per (slot, consumer) path")
+
+    def check(self) -> None:
+        require(self.residual_topk >= 0, self.method, "residual_topk must be >= 0")
+
+
 class GraphFlow(Method):
     name = "graphflow"
+    Config = GraphFlowConfig
 
-    def __init__(self, residual_topk: int = 16):
-        if residual_topk < 0:
-            raise ValueError(f"residual_topk must be >= 0, got {residual_topk}")
-        self.residual_topk = int(residual_topk)
+    def __init__(self, config: GraphFlowConfig | None = None):
+        super().__init__(config)
+        self.residual_topk = self.config.residual_topk
         self.residuals: dict[tuple[str, str], Residual] = {}
-        self._bases: dict[tuple[str, tuple[int, ...]], SegmentKV] = {}  # this request's
-        self._request: int | None = None
+        self._bases: dict[tuple[str, tuple[int, ...]], SegmentKV] = {}  # this session's
+        self._session: str | None = None
         self._pending: list[tuple[tuple[str, str], int, tuple[int, ...]]] = []
         self._model = None  # the model of the hop being built (for after_hop)
-
-    def params(self) -> dict[str, Any]:
-        return {"residual_topk": self.residual_topk}
 
     def memory_bytes(self) -> int:
         held = [r.nbytes() for r in self.residuals.values()]
         return sum(held) + sum(b.nbytes() for b in self._bases.values())
 
     def build(self, hop, model, cache):
-        if hop.request_index != self._request:
+        if hop.session != self._session:
             self._bases.clear()
-            self._request = hop.request_index
+            self._session = hop.session
         self._model = model
         self._pending.clear()
         return super().build(hop, model, cache)
@@ -123,7 +130,11 @@ class GraphFlow(Method):
         pairs = n * model.config.n_layers if fresh else 0
         details = {"base": "computed" if fresh else "cached", "residual_tokens": applied}
         decision = "partial" if fresh else "reuse"
-        return SegmentRecord(seg.slot, shared.kind, start, n, decision, pairs, details=details)
+        # A fresh base is a prefill of the whole span: none of its tokens came from a source.
+        served = 0 if fresh else n
+        return SegmentRecord(
+            seg.slot, shared.kind, start, n, decision, pairs, served, details=details
+        )
 
     def after_hop(self, hop, build) -> None:
         """Record the residuals of paths seen for the first time in this hop (dense hops)."""

@@ -12,13 +12,16 @@ its producer's cache.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 
-from kvcmas.anchors import AnchorPool, PoolConfig
 from kvcmas.kv.lowrank import as_matrices, from_matrices
 from kvcmas.kv.segment import SegmentKV
+from kvcmas.methods.anchors import AnchorPool, PoolConfig
+from kvcmas.methods.background import MODES, BackgroundWork
 from kvcmas.methods.base import (
     Method,
     SegmentRecord,
@@ -26,65 +29,81 @@ from kvcmas.methods.base import (
     reuse_shared,
     standalone_prefill,
 )
+from kvcmas.methods.config import MethodConfig, option, require
 
-# Calibrated with `kvcmas bench calibrate` (roster workflow, 30 MMLU validation questions,
+# Calibrated with `kvcmas bench calibrate` (roster workflow, MMLU validation questions,
 # SmolLM2-135M fp32; README "Calibrated defaults"): at T = 0.2 the gate's entropy separates
-# helpful corrections from harmless ones, and tau = 0.995 reuses about two thirds of the
-# matched segments.
+# helpful corrections from harmless ones. These two constants are the only defaults.
 DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TAU = 0.995
 
 
+@dataclass(frozen=True)
+class KVCMASConfig(MethodConfig):
+    method: ClassVar[str] = "kvcmas"
+    pool_size: int = option(10, "anchors per (slot, consumer) pool (V)")
+    rank: int | None = option(32, "delta rank r (0 or none = full width)")
+    base_rank: int | None = option(32, "base rank (0 or none = full width)")
+    temperature: float = option(DEFAULT_TEMPERATURE, "matching softmax temperature T")
+    tau: float = option(DEFAULT_TAU, "gate: reuse when normalized entropy < tau")
+    min_anchors: int = option(2, "gate: anchors needed before any reuse")
+    chain: bool = option(True, "source = the latest hop's cache (false: reference prefill)")
+    eviction: str = option("least-used", "pool eviction: least-used or kvcomm")
+    full_cover_only: bool = option(False, "match only anchors at least as long as the span")
+    seed: int = option(0, "seed of the randomized SVD")
+    background: str = option("idle", "anchor construction: idle, thread or inline")
+
+    def check(self) -> None:
+        m = self.method
+        require(self.pool_size >= 1, m, "pool_size must be >= 1")
+        require(self.min_anchors >= 1, m, "min_anchors must be >= 1")
+        require(self.temperature > 0, m, "temperature must be > 0")
+        require(self.tau >= 0, m, "tau must be >= 0")
+        for name in ("rank", "base_rank"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, m, f"{name} must be >= 0 (0 = full)")
+        require(self.eviction in ("least-used", "kvcomm"), m, "eviction: least-used or kvcomm")
+        require(self.background in MODES, m, f"background must be one of {', '.join(MODES)}")
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            capacity=self.pool_size,
+            delta_rank=_rank(self.rank),
+            base_rank=_rank(self.base_rank),
+            temperature=self.temperature,
+            eviction=self.eviction,
+            full_cover_only=self.full_cover_only,
+            seed=self.seed,
+        )
+
+
 def _rank(value: int | None) -> int | None:
-    return None if value is None or value <= 0 else value  # 0 on the command line: full
+    return None if value is None or value <= 0 else value  # 0: full width
 
 
 class KVCMAS(Method):
     name = "kvcmas"
+    Config = KVCMASConfig
 
-    def __init__(
-        self,
-        pool_size: int = 10,
-        rank: int | None = 32,
-        base_rank: int | None = 32,
-        temperature: float = DEFAULT_TEMPERATURE,
-        tau: float = DEFAULT_TAU,
-        min_anchors: int = 2,
-        chain: bool = True,
-        eviction: str = "least-used",
-        full_cover_only: bool = False,
-        seed: int = 0,
-    ):
-        if pool_size < 1 or min_anchors < 1 or temperature <= 0 or tau < 0:
-            raise ValueError("need pool_size >= 1, min_anchors >= 1, temperature > 0 and tau >= 0")
-        self.pool_config = PoolConfig(
-            capacity=pool_size,
-            delta_rank=_rank(rank),
-            base_rank=_rank(base_rank),
-            temperature=temperature,
-            eviction=eviction,
-            full_cover_only=full_cover_only,
-            seed=seed,
-        )
-        self.tau = tau
-        self.min_anchors = min_anchors
-        self.chain = chain
+    def __init__(self, config: MethodConfig | None = None):
+        super().__init__(config)
+        c = self.kvcmas_config()
+        self.pool_config = c.pool_config()
+        self.tau = c.tau
+        self.min_anchors = c.min_anchors
+        self.chain = c.chain
         self.pools: dict[tuple[str, str], AnchorPool] = {}
-        self._pending: list[tuple[AnchorPool, torch.Tensor, torch.Tensor, SegmentKV]] = []
-        self._references: dict[tuple[int, str], SegmentKV] = {}
+        self.background = BackgroundWork(c.background)
+        self._pending: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, SegmentKV]] = []
+        self._references: dict[tuple[int, ...], SegmentKV] = {}  # this session's, by content
+        self._session: str | None = None
+
+    def kvcmas_config(self) -> KVCMASConfig:
+        """The full option set (KVCOMM fixes the options where its paper differs)."""
+        return self.config
 
     def params(self) -> dict[str, Any]:
-        c = self.pool_config
-        return {
-            "pool_size": c.capacity,
-            "rank": c.delta_rank or "full",
-            "base_rank": c.base_rank or "full",
-            "temperature": c.temperature,
-            "tau": self.tau,
-            "min_anchors": self.min_anchors,
-            "chain": self.chain,
-            "eviction": c.eviction,
-        }
+        return self.kvcmas_config().to_json()
 
     def memory_bytes(self) -> int:
         return sum(p.nbytes() for p in self.pools.values())
@@ -95,25 +114,28 @@ class KVCMAS(Method):
             self.pools[key] = AnchorPool(self.pool_config)
         return self.pools[key]
 
+    def flush(self) -> float:
+        return self.background.flush()
+
     def source(self, hop, shared, model) -> tuple[SegmentKV | None, str | None]:
         """The cache to reuse: chained (latest hop), or KVCOMM's non-chained base."""
         if self.chain:
             return shared.latest, shared.latest_agent
         if shared.kind == "agent":
             return shared.origin, shared.origin_agent
-        key = (hop.request_index, shared.slot)
-        if key not in self._references:  # a reference prefill on this hop's critical path
-            self._references = {
-                k: v for k, v in self._references.items() if k[0] == hop.request_index
-            }
-            self._references[key] = standalone_prefill(model, shared.tokens)
-        return self._references[key], "reference"
+        if hop.session != self._session:  # references never outlive their session
+            self._references, self._session = {}, hop.session
+        if shared.tokens not in self._references:  # a reference prefill on the critical path
+            self._references[shared.tokens] = standalone_prefill(model, shared.tokens)
+        return self._references[shared.tokens], "reference"
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         source, source_agent = self.source(hop, shared, model)
         if source is None:  # the first consumer: exact dense prefill, nothing to learn from
             return dense_shared(seg, shared, model, cache)
-        pool = self.pool(seg.slot, hop.agent)
+        key = (seg.slot, hop.agent)
+        self.background.wait_for(key)  # anchors recorded earlier must be in the pool
+        pool = self.pool(*key)
         xk, xv = as_matrices(source.k)[1:], as_matrices(source.v)[1:]
         match = None
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
@@ -141,16 +163,18 @@ class KVCMAS(Method):
         rec = dense_shared(seg, shared, model, cache, entropy)
         rec.details = {"source": source_agent, "anchors": len(pool.anchors)}
         dense = SegmentKV.from_cache(cache, rec.start, rec.start + rec.length, model.inv_freq)
-        self._pending.append((pool, xk, xv, dense))
+        self._pending.append((key, xk, xv, dense))
         return rec
 
     def after_hop(self, hop, build) -> None:
-        """Factorize the anchors of this hop's dense fallbacks, after its first token."""
-        for pool, xk, xv, dense in self._pending:
-            pool.add(xk, xv, as_matrices(dense.k)[1:], as_matrices(dense.v)[1:])
+        """Queue the anchors of this hop's dense fallbacks: factorized off the critical path."""
+        for key, xk, xv, dense in self._pending:
+            pool = self.pool(*key)
+            yk, yv = as_matrices(dense.k)[1:], as_matrices(dense.v)[1:]
+            self.background.submit(key, partial(pool.add, xk, xv, yk, yv))
         self._pending.clear()
 
-    def pool_report(self, n_layers: int, width: int) -> dict[str, int]:
+    def pool_report(self, n_layers: int, width: int) -> dict[str, int] | None:
         """Measured pool bytes beside the analytic full-dimensional size (V·N·L·n·D) and the
         paper's low-rank formula (V·N·L·r·(n+D)), fp32, K and V, base and delta, layers 1..L-1.
         Measured can be below the formula: spans too short for rank r are kept full width."""
@@ -170,6 +194,37 @@ class KVCMAS(Method):
         }
 
 
+@dataclass(frozen=True)
+class KVCOMMConfig(MethodConfig):
+    method: ClassVar[str] = "kvcomm"
+    pool_size: int = option(20, "anchors per (slot, consumer) pool (V)")
+    temperature: float = option(0.01, "matching softmax temperature T")
+    tau: float = option(0.3, "gate: dense when normalized entropy > gamma")
+    min_anchors: int = option(2, "gate: anchors needed before any reuse")
+    seed: int = option(0, "seed of the randomized SVD")
+    background: str = option("idle", "anchor construction: idle, thread or inline")
+
+    def kvcmas(self) -> KVCMASConfig:
+        """The same pool code with KVCOMM's fixed choices: full width, non-chained, its
+        eviction, only anchors that cover the whole span."""
+        return KVCMASConfig(
+            pool_size=self.pool_size,
+            rank=None,
+            base_rank=None,
+            temperature=self.temperature,
+            tau=self.tau,
+            min_anchors=self.min_anchors,
+            chain=False,
+            eviction="kvcomm",
+            full_cover_only=True,
+            seed=self.seed,
+            background=self.background,
+        )
+
+    def check(self) -> None:
+        self.kvcmas()  # KVCMASConfig validates the shared options
+
+
 class KVCOMM(KVCMAS):
     """KVCOMM on the same pool code: full-dimensional anchors, non-chained (a context-free
     reference prefill is the base of a query), only anchors at least as long as the segment,
@@ -180,24 +235,7 @@ class KVCOMM(KVCMAS):
     segments on the calibration stream (at KVCMAS's T = 0.2 its gate would never pass)."""
 
     name = "kvcomm"
+    Config = KVCOMMConfig
 
-    def __init__(
-        self,
-        pool_size: int = 20,
-        temperature: float = 0.01,
-        tau: float = 0.3,
-        min_anchors: int = 2,
-        seed: int = 0,
-    ):
-        super().__init__(
-            pool_size=pool_size,
-            rank=None,
-            base_rank=None,
-            temperature=temperature,
-            tau=tau,
-            min_anchors=min_anchors,
-            chain=False,
-            eviction="kvcomm",
-            full_cover_only=True,
-            seed=seed,
-        )
+    def kvcmas_config(self) -> KVCMASConfig:
+        return self.config.kvcmas()

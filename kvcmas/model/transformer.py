@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcmas.kv.cache import KVCache
+from kvcmas.model.cache import KVCache
 from kvcmas.model.config import ModelConfig
 from kvcmas.model.rope import apply_rope, cos_sin, inverse_frequencies
 

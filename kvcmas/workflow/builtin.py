@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from kvcmas.workflow.spec import AgentSpec, Workflow
 
 
@@ -89,17 +87,4 @@ def chain4() -> Workflow:
     return Workflow(name="chain4", agents=tuple(agents), final="editor")
 
 
-def task_roster(task: str) -> Workflow:
-    """A benchmark's task roster (kvcmas.bench.tasks), imported lazily: bench builds on workflow."""
-    from kvcmas.bench.tasks import task_workflow
-
-    return task_workflow(task)
-
-
-BUILTIN_WORKFLOWS = {
-    "roster": roster,
-    "chain4": chain4,
-    "mmlu-roster": partial(task_roster, "mmlu"),
-    "gsm8k-roster": partial(task_roster, "gsm8k"),
-    "humaneval-roster": partial(task_roster, "humaneval"),
-}
+BUILTIN_WORKFLOWS = {"roster": roster, "chain4": chain4}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import resource
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,14 @@ from typing import Any
 import torch
 
 from kvcmas.chat import render_segments, tokenize
-from kvcmas.kv.cache import KVCache
+from kvcmas.errors import WorkflowError
 from kvcmas.kv.segment import SegmentKV
-from kvcmas.methods.base import Hop, Method, SharedSegment
-from kvcmas.methods.nonshared import NonShared
+from kvcmas.methods.base import Hop, HopBuild, Method, ReuseCounts, SharedSegment
+from kvcmas.model.cache import KVCache
 from kvcmas.model.generate import greedy_decode, stop_ids
 from kvcmas.model.loader import LoadedModel
-from kvcmas.workflow.spec import Workflow, WorkflowError
+from kvcmas.model.transformer import Transformer
+from kvcmas.workflow.spec import Workflow
 
 
 class PrefixCache:
@@ -49,12 +51,11 @@ class HopResult:
     agent: str
     method: str
     ttft_s: float  # all critical-path work up to the first output token
-    latency_s: float  # the whole hop, decoding and post-token bookkeeping included
+    latency_s: float  # the whole hop, decoding included
     prompt_tokens: int
     prefix_tokens: int  # served by the shared system-prompt prefix cache
     prefilled_tokens: int  # run through every layer for this hop (beyond the prefix)
-    reused_tokens: int  # shared tokens whose K/V came (fully or partly) from a source
-    recompute_fraction: float  # computed (token, layer) pairs of shared tokens / dense pairs
+    reuse: ReuseCounts  # shared tokens, tokens served from a source, computed (token, layer)
     output: str
     output_tokens: int
     segments: list[dict[str, Any]]
@@ -65,10 +66,19 @@ class HopResult:
     output_ids: list[int] = field(default_factory=list, repr=False)
     fidelity: dict[str, Any] | None = None
 
+    @property
+    def rho(self) -> float | None:
+        return self.reuse.rho
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        return self.reuse.recompute_fraction
+
     def to_json(self, full: bool = False) -> dict[str, Any]:
         d = asdict(self)
         if not full:
             d.pop("output_ids")
+        d["rho"], d["recompute_fraction"] = self.rho, self.recompute_fraction
         fid = d.pop("fidelity")
         if fid:
             d.update({k: v for k, v in fid.items() if k != "reference_output"})
@@ -77,10 +87,17 @@ class HopResult:
 
 @dataclass
 class RequestResult:
+    """One request end to end. ``latency_s`` runs from the request's start to its final output;
+    ``background_s`` is deferred work run after it (anchor construction at idle time), and
+    ``cpu_s`` the process CPU time (all threads) from its start to the end of that work."""
+
     request: str
     method: str
     final_answer: str
     hops: list[HopResult]
+    latency_s: float = 0.0
+    background_s: float = 0.0
+    cpu_s: float = 0.0
     reference_final_answer: str | None = None
 
     @property
@@ -94,6 +111,9 @@ class RequestResult:
             "request": self.request,
             "method": self.method,
             "final_answer": self.final_answer,
+            "latency_s": self.latency_s,
+            "background_s": self.background_s,
+            "cpu_s": self.cpu_s,
             "hops": [h.to_json() for h in self.hops],
         }
         if self.reference_final_answer is not None:
@@ -115,29 +135,44 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@dataclass
+class HopView:
+    """What a hop observer sees (for fidelity measurement, :mod:`kvcmas.eval.fidelity`)."""
+
+    hop: Hop
+    build: HopBuild  # build.cache holds the hop's prompt
+    model: Transformer  # the method's model
+    first_logits: torch.Tensor
+    output_ids: list[int]
+    max_new_tokens: int
+    stop: set[int]
+
+
+HopObserver = Callable[[HopView], dict[str, Any]]
+
+
 class Runner:
-    """Runs a stream of requests; method state (anchor pools) persists across requests."""
+    """Runs a stream of requests; method state (anchor pools) persists across requests.
+
+    Each :meth:`run` is its own session: method state scoped to a request (reference prefills,
+    saved hidden states) is keyed by that session and by content, never by a stream position.
+    A request may name its session (``"session"``) to share that scope on purpose. An optional
+    ``observer`` measures every hop (fidelity) off the clock.
+    """
 
     def __init__(
         self,
         loaded: LoadedModel,
         workflow: Workflow,
         method: Method,
-        reference: LoadedModel | None = None,
-        reference_answers: bool = True,
+        observer: HopObserver | None = None,
     ):
         self.loaded = loaded
         self.workflow = workflow
         self.method = method
+        self.observer = observer
         self.stop = stop_ids(loaded)
         self.prefixes = PrefixCache()
-        self.reference = reference
-        self._ref_prefixes = PrefixCache()
-        # A whole NonShared run per request for final-answer agreement; a benchmark that runs
-        # NonShared itself anyway turns this off and compares against that run.
-        self._ref_runner = None
-        if reference is not None and reference_answers:
-            self._ref_runner = Runner(reference, workflow, NonShared(), reference_answers=False)
         self._check_reply_prefixes()
         tok = loaded.tokenizer
         self._reply_prefixes = {a.name: tokenize(tok, a.reply_prefix) for a in workflow.agents}
@@ -146,8 +181,7 @@ class Runner:
     def _check_reply_prefixes(self) -> None:
         """Methods that save decode-time hidden states (DroidSpeak, RelayCaching) hold them
         for generated tokens only; a read reply with a prefix would lose them silently."""
-        # The capture layers resolve only once the model is seen; overriding the hook is the sign.
-        if type(self.method).decode_capture_layers is Method.decode_capture_layers:
+        if not self.method.needs_hidden_states:
             return
         read = {s for a in self.workflow.agents for s in a.slots}
         for agent in self.workflow.agents:
@@ -163,8 +197,6 @@ class Runner:
         for agent in self.workflow.agents:
             prefix = self._segments(agent, dummy)[0].tokens
             self.prefixes.get(self.loaded.model, prefix)
-            if self.reference is not None:
-                self._ref_prefixes.get(self.reference.model, prefix)
 
     def _segments(self, agent, slot_tokens):
         reply_prefix = self._reply_prefixes[agent.name]
@@ -179,59 +211,47 @@ class Runner:
         self.workflow.check_request(request)
         shared = {}
         for slot in self.workflow.inputs():
-            value = request[slot]
-            if not isinstance(value, str) or not value.strip():
-                raise WorkflowError(f"request input {slot!r} must be a non-empty string")
-            tokens = tokenize(self.loaded.tokenizer, value.strip())
+            tokens = tokenize(self.loaded.tokenizer, request[slot].strip())
             shared[slot] = SharedSegment(slot, self.workflow.slot_kind(slot), tokens)
         return shared
 
-    def run(self, request: dict, index: int = 0) -> RequestResult:
+    def run(self, request: dict) -> RequestResult:
+        """Run one request through every agent; then finish the method's deferred work."""
+        session = str(request.get("session") or uuid.uuid4().hex)
+        cpu0, start = time.process_time(), time.perf_counter()
         shared = self._request_inputs(request)
         hops = []
         for step, name in enumerate(self.workflow.order):
-            hops.append(self._run_hop(self.workflow.agent(name), shared, index, step))
+            hops.append(self._run_hop(self.workflow.agent(name), shared, session, step))
+        latency = time.perf_counter() - start
+        background = self.method.flush()  # idle time after the request's answer
         final = next(h for h in hops if h.agent == self.workflow.final).output
-        ref_final = None
-        if self._ref_runner is not None:
-            ref_final = self._ref_runner.run(request, index).final_answer
-        rid = str(request.get("id", index))
-        return RequestResult(rid, self.method.name, final, hops, ref_final)
+        rid = str(request.get("id", session))
+        return RequestResult(
+            rid,
+            self.method.name,
+            final,
+            hops,
+            latency_s=latency,
+            background_s=background,
+            cpu_s=time.process_time() - cpu0 - self._observer_cpu(hops),
+        )
 
     def run_stream(self, requests: Iterable[dict], progress=None) -> Iterator[RequestResult]:
         for i, request in enumerate(requests):
-            result = self.run(request, i)
+            result = self.run(request)
             if progress:
                 progress(i, result)
             yield result
 
-    def _fidelity(self, hop: Hop, build, out, max_new_tokens: int) -> dict[str, Any] | None:
-        """The hop's prompt cache against a dense reference prefill of the same tokens."""
-        if self.reference is None:
-            return None
-        from kvcmas.bench.fidelity import hop_fidelity
+    @staticmethod
+    def _observer_cpu(hops: list[HopResult]) -> float:
+        return sum(h.fidelity.get("observer_cpu_s", 0.0) for h in hops if h.fidelity)
 
-        ref_prefix = self._ref_prefixes.get(self.reference.model, hop.segments[0].tokens)
-        spans = [(r.start, r.start + r.length) for r in build.records if r.slot is not None]
-        return asdict(
-            hop_fidelity(
-                self.reference.model,
-                ref_prefix,
-                hop.tokens,
-                self.loaded.model,
-                build.cache,
-                out.first_logits,
-                out.tokens,
-                max_new_tokens,
-                self.stop,
-                spans,
-            )
-        )
-
-    def _run_hop(self, agent, shared: dict[str, SharedSegment], index: int, step: int) -> HopResult:
+    def _run_hop(self, agent, shared: dict[str, SharedSegment], session: str, step: int):
         model = self.loaded.model
         segments = self._segments(agent, {k: v.tokens for k, v in shared.items()})
-        hop = Hop(agent.name, index, step, segments, shared)
+        hop = Hop(agent.name, session, step, segments, shared)
         prompt = hop.tokens
         if len(prompt) + agent.max_new_tokens > model.config.max_position:
             raise WorkflowError(
@@ -253,24 +273,29 @@ class Runner:
             model, cache, build.last_logits, agent.max_new_tokens, self.stop, capture=capture
         )
         if capture:
-            self.method.after_decode(hop, out.captured)
+            self.method.after_decode(hop, tuple(out.tokens), out.captured)
         n = len(prompt)
         # The reply prefix is the opening of the agent's reply: successors read it too.
-        prefix = self._reply_prefixes[agent.name]  # the prompt's last tokens
-        reply = prefix + tuple(out.tokens)
+        reply_prefix = self._reply_prefixes[agent.name]  # the prompt's last tokens
+        reply = reply_prefix + tuple(out.tokens)
         produced = SharedSegment(agent.name, "agent", reply)
         if self.method.reads_sources:
-            begin, end = n - len(prefix), n + len(out.tokens)
+            begin, end = n - len(reply_prefix), n + len(out.tokens)
             produced.record(agent.name, SegmentKV.from_cache(cache, begin, end, model.inv_freq))
             publish_sources(hop, build, model)
         self.method.after_hop(hop, build)
         cache.truncate(n)
         latency = time.perf_counter() - start
-        fidelity = self._fidelity(hop, build, out, agent.max_new_tokens)
+        fidelity = None
+        if self.observer is not None:
+            view = HopView(
+                hop, build, model, out.first_logits, out.tokens, agent.max_new_tokens, self.stop
+            )
+            cpu0 = time.process_time()
+            fidelity = self.observer(view)
+            fidelity["observer_cpu_s"] = time.process_time() - cpu0
         shared[agent.name] = produced
 
-        shared_recs = [r for r in build.records if r.slot is not None]
-        shared_pairs = sum(r.length for r in shared_recs) * model.config.n_layers
         return HopResult(
             agent=agent.name,
             method=self.method.name,
@@ -279,10 +304,7 @@ class Runner:
             prompt_tokens=n,
             prefix_tokens=hop.prefix_len,
             prefilled_tokens=sum(r.length for r in build.records if r.decision == "dense"),
-            reused_tokens=sum(r.length for r in shared_recs if r.decision != "dense"),
-            recompute_fraction=(
-                sum(r.computed_pairs for r in shared_recs) / shared_pairs if shared_pairs else 1.0
-            ),
+            reuse=ReuseCounts.of(build.records, model.config.n_layers),
             output=self.loaded.tokenizer.decode(reply, skip_special_tokens=True),
             output_tokens=len(out.tokens),
             segments=[r.to_json() for r in build.records],

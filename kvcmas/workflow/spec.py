@@ -7,12 +7,14 @@ the DAG; execution follows a topological order that keeps the file's order where
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcmas.chat import slot_names
+from kvcmas.errors import WorkflowError
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 QUERY = "query"
@@ -20,9 +22,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 _WORKFLOW_KEYS = {"name", "final", "agents"}
 _AGENT_KEYS = {"name", "system", "prompt", "max_new_tokens", "reply_prefix"}
 
-
-class WorkflowError(ValueError):
-    """A workflow or request that cannot run; the message names the problem."""
 
 
 @dataclass(frozen=True)
@@ -101,12 +100,27 @@ class Workflow:
             done.append(ready[0])  # earliest in file order: deterministic
         return tuple(done)
 
-    def check_request(self, request: dict) -> None:
-        missing = [s for s in self.inputs() if s not in request]
-        if missing:
-            raise WorkflowError(
-                f"request lacks input(s) {', '.join(missing)} required by workflow {self.name!r}"
-            )
+    def check_request(self, request: object, where: str = "request") -> None:
+        """Every input slot present as a non-empty string; a missing slot that looks like a
+        misspelt agent name is reported as such."""
+        if not isinstance(request, dict):
+            raise WorkflowError(f"{where}: expected a JSON object with {', '.join(self.inputs())}")
+        for slot in self.inputs():
+            if slot not in request:
+                readers = [a.name for a in self.agents if slot in a.slots]
+                close = difflib.get_close_matches(slot, sorted(self.agent_names), n=1)
+                hint = (
+                    f"; did agent {readers[0]!r} mean agent {close[0]!r}?" if close else ""
+                )
+                raise WorkflowError(
+                    f"{where}: lacks input {slot!r}, read by agent(s) {', '.join(readers)} of "
+                    f"workflow {self.name!r} (no agent has that name){hint}"
+                )
+            value = request[slot]
+            if not isinstance(value, str) or not value.strip():
+                raise WorkflowError(
+                    f"{where}: input {slot!r} must be a non-empty string, got {value!r}"
+                )
 
 
 def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
@@ -118,8 +132,13 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
     for key in ("final", "agents"):
         if key not in data:
             raise WorkflowError(f"{source}: missing key {key!r}")
+    for key in ("final", "name"):
+        if key in data and not isinstance(data[key], str):
+            raise WorkflowError(f"{source}: {key!r} must be a string, got {data[key]!r}")
+    if not isinstance(data["agents"], list) or not data["agents"]:
+        raise WorkflowError(f"{source}: 'agents' must be a non-empty list of agent mappings")
     agents = []
-    for i, a in enumerate(data["agents"] or []):
+    for i, a in enumerate(data["agents"]):
         if not isinstance(a, dict):
             raise WorkflowError(f"{source}: agent #{i + 1} is not a mapping")
         bad = set(a) - _AGENT_KEYS
@@ -130,6 +149,13 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
         for key in ("name", "system", "prompt"):
             if key not in a:
                 raise WorkflowError(f"{source}: agent #{i + 1} lacks {key!r}")
+            if not isinstance(a[key], str) or not a[key].strip():
+                raise WorkflowError(
+                    f"{source}: agent #{i + 1}: {key!r} must be a non-empty string, "
+                    f"got {a[key]!r}"
+                )
+        if not isinstance(a.get("reply_prefix", ""), str):
+            raise WorkflowError(f"{source}: agent #{i + 1}: 'reply_prefix' must be a string")
         budget = a.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise WorkflowError(
@@ -149,15 +175,16 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
     )
 
 
-def load_workflow(name_or_path: str) -> Workflow:
-    """A built-in workflow by name, or a YAML / JSON file."""
+def load_workflow(name_or_path: str, also_known: tuple[str, ...] = ()) -> Workflow:
+    """A built-in workflow by name, or a YAML / JSON file. ``also_known`` names built-ins of
+    higher layers (the task rosters of :mod:`kvcmas.eval.tasks`) for the error message."""
     from kvcmas.workflow.builtin import BUILTIN_WORKFLOWS
 
     if name_or_path in BUILTIN_WORKFLOWS:
         return BUILTIN_WORKFLOWS[name_or_path]()
     path = Path(name_or_path)
     if not path.exists():
-        known = ", ".join(sorted(BUILTIN_WORKFLOWS))
+        known = ", ".join(sorted([*BUILTIN_WORKFLOWS, *also_known]))
         raise WorkflowError(
             f"no built-in workflow or file named {name_or_path!r} (built-in: {known})"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvcmas.bench.data import load_dataset
+from kvcmas.eval.data import load_dataset
 from kvcmas.workflow.runner import read_requests
 
 LETTERS = "ABCDE"

@@ -1,7 +1,7 @@
 """``kvcmas bench accuracy``: strict task accuracy of every method on the task rosters.
 
 Per method and benchmark (MMLU, GSM8K, HumanEval, each through its roster of
-:mod:`kvcmas.bench.tasks`): strict accuracy, agreement of the extracted final answer with
+:mod:`kvcmas.eval.tasks`): strict accuracy, agreement of the extracted final answer with
 NonShared on the same item, reuse ratio, mean TTFT over non-first hops, peak state bytes and
 process peak RSS, anchor-pool bytes. The noise-floor row is NonShared in bf16, scored and
 compared with NonShared in fp32 (METHOD.md section 2, rule 6). Decoding is greedy. Every method
@@ -19,12 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcmas.bench.compare import NOISE_FLOOR, accepted_params, fmt, summarize
-from kvcmas.bench.experiments.common import mean, speed_summary
-from kvcmas.bench.experiments.report import describe_machine
-from kvcmas.bench.requests import load_requests
-from kvcmas.bench.tasks import TASKS, extract_answer, score, task_spec
-from kvcmas.cli import UsageError, add_method_args, add_model_args, method_params
+from kvcmas.errors import UsageError
+from kvcmas.eval.requests import load_requests
+from kvcmas.eval.tasks import TASKS, extract_answer, score, task_spec
+from kvcmas.experiments.args import add_method_args, add_model_args
+from kvcmas.experiments.args import method_options as method_params
+from kvcmas.experiments.common import mean, speed_summary
+from kvcmas.experiments.compare import NOISE_FLOOR, fmt, summarize
+from kvcmas.experiments.report import describe_machine
 from kvcmas.methods import METHODS, make_method
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel, load_model
@@ -285,7 +287,7 @@ def accuracy_experiment(
             models[run_dtype] = load_model(model_spec, run_dtype)
         for task, requests in tasks.items():
             log(f"{label} on {task}: {len(requests)} items, workflow {workflows[task].name}")
-            method = make_method(name, **accepted_params(name, params))
+            method = make_method(name, params, strict=False)
             baseline = report["items"].get("nonshared", {}).get(task)
             results, records, timing = run_one(
                 models[run_dtype], workflows[task], method, task, requests, label, baseline,
@@ -610,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
     params = method_params(args)
     for name in methods:
         try:
-            make_method(name, **accepted_params(name, params))
+            make_method(name, params, strict=False)
         except ValueError as e:
             raise UsageError(str(e)) from None
     out = Path(args.out)

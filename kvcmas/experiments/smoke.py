@@ -95,7 +95,7 @@ def smoke_plan(
 ) -> list[SmokeStep]:
     """compare, every registered experiment (in registry order), then the report."""
     if modules is None:
-        from kvcmas.bench.experiments import EXPERIMENT_MODULES
+        from kvcmas.experiments import EXPERIMENT_MODULES
 
         modules = EXPERIMENT_MODULES
     workflow_path = workflow_path or out_dir / "roster-smoke.json"

@@ -3,7 +3,7 @@
 Each workflow is a :func:`~kvcmas.workflow.builtin.roster`: every task agent reads the question
 and the outputs of the task agents before it, and the decision agent reads all three. Slots
 start a line (METHOD.md section 2, rule 1). The decision agent is told the exact answer format
-that the strict scorers of :mod:`kvcmas.bench.scoring` accept.
+that the strict scorers of :mod:`kvcmas.eval.scoring` accept.
 
 MMLU's judge has its reply opened with ``Answer:`` and a 2-token budget. SmolLM2-135M-Instruct
 ignored the answer format when only told it (four phrasings, with and without an example or a
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvcmas.bench.data import load_dataset
-from kvcmas.bench.scoring import (
+from kvcmas.eval.data import load_dataset
+from kvcmas.eval.scoring import (
     extract_code,
     extract_final_number,
     extract_mmlu_letter,
@@ -41,6 +41,7 @@ from kvcmas.bench.scoring import (
     score_gsm8k,
     score_mmlu,
 )
+from kvcmas.workflow import spec
 from kvcmas.workflow.builtin import roster
 from kvcmas.workflow.spec import Workflow
 
@@ -195,6 +196,14 @@ def task_workflow(
 ) -> Workflow:
     """The roster of ``task`` (``mmlu``, ``gsm8k`` or ``humaneval``)."""
     return task_spec(task).workflow(task_tokens, final_tokens)
+
+
+def load_workflow(name_or_path: str) -> Workflow:
+    """A workflow by name (the built-ins and the task rosters ``<task>-roster``) or file."""
+    rosters = {f"{t}-roster": t for t in TASKS}
+    if name_or_path in rosters:
+        return task_workflow(rosters[name_or_path])
+    return spec.load_workflow(name_or_path, also_known=tuple(rosters))
 
 
 @cache

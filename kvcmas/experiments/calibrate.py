@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvcmas.anchors import PoolConfig
-from kvcmas.bench.calibrate import collect_pairs, replay
+from kvcmas.eval.calibrate_replay import collect_pairs, replay
+from kvcmas.methods.anchors import PoolConfig
 
 HELP = "choose KVCMAS's temperature, rank and gate threshold from replayed anchor pairs"
 TEMPERATURES = (0.02, 0.05, 0.1, 0.2, 0.5)
@@ -26,7 +26,7 @@ TAUS = (0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 1.01)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvcmas.cli import add_model_args
+    from kvcmas.experiments.args import add_model_args
 
     p.add_argument("--workflow", default="roster")
     p.add_argument("--requests", default="mmlu", help="JSONL file or dataset name")
@@ -121,9 +121,9 @@ def plot(rows: list[dict], path: Path, setup: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from kvcmas.bench.requests import load_requests
+    from kvcmas.eval.requests import load_requests
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model
-    from kvcmas.workflow.spec import load_workflow
 
     out = Path(args.out)
     workflow = load_workflow(args.workflow)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcmas.errors import DataMissingError
 from kvcmas.model.loader import sha256_of
 
 __all__ = [
@@ -82,9 +83,6 @@ _LETTERS = "ABCDE"
 Progress = Callable[[str], Any]
 Rows = list[dict[str, Any]]
 
-
-class DataMissingError(RuntimeError):
-    """A benchmark file is not on disk; ``kvcmas data prepare`` creates it."""
 
 
 def default_data_dir() -> Path:

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from kvcmas.bench.replay import RecordedHop, record_hops
-from kvcmas.kv.cache import KVCache
+from kvcmas.eval.replay import RecordedHop, record_hops
 from kvcmas.methods.relaycaching import received_attention
+from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
 RULES = (
@@ -296,8 +296,8 @@ def write_coverage(result: dict[str, Any], folder: str | Path) -> tuple[Path, Pa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model
-    from kvcmas.workflow.spec import load_workflow
 
     p = argparse.ArgumentParser(description="reconstruction coverage of selective recomputation")
     p.add_argument("--workflow", default="roster")

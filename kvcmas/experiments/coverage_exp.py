@@ -1,6 +1,6 @@
 """``kvcmas bench coverage``: reconstruction coverage of selective recomputation.
 
-Wraps :func:`kvcmas.bench.coverage.run_coverage` (FullShared through a workflow, every hop's
+Wraps :func:`kvcmas.eval.coverage.run_coverage` (FullShared through a workflow, every hop's
 reuse error against dense, each selection rule's share of it at equal budgets) on a request
 stream, writes ``results.json``, ``table.md``, the coverage files of ``write_coverage`` and
 ``coverage.png`` (coverage by rule and budget), and states whether the paper's claim, that at
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvcmas.bench.coverage import (
+from kvcmas.eval.coverage import (
     ORACLES,
     RULES,
     claim_holds,
@@ -21,8 +21,8 @@ from kvcmas.bench.coverage import (
     run_coverage,
     write_coverage,
 )
-from kvcmas.bench.experiments import common
-from kvcmas.cli import add_model_args
+from kvcmas.experiments import common
+from kvcmas.experiments.args import add_model_args
 
 HELP = "share of the KV reuse error each selective-recomputation rule recomputes"
 
@@ -76,10 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcmas.bench.requests import load_requests
-    from kvcmas.cli import UsageError
+    from kvcmas.errors import UsageError
+    from kvcmas.eval.requests import load_requests
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model
-    from kvcmas.workflow.spec import load_workflow
 
     if any(not 0 <= b <= 1 for b in args.budgets):
         raise UsageError("budgets must be fractions in [0, 1]")

@@ -1,6 +1,6 @@
 """Offline profiles that choose the layer ranges of DroidSpeak and RelayCaching.
 
-Both run a calibration split through the workflow densely (:mod:`kvcmas.bench.replay`) and
+Both run a calibration split through the workflow densely (:mod:`kvcmas.eval.replay`) and
 then study each hop that has shared segments with sources *one hop at a time*: the sources
 are the previous consumers' exact caches (prefix-induced deviation only, not deviation
 chained through earlier approximate hops). Results are JSON files whose ``block`` / ``layers``
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from kvcmas.bench.fidelity import kl_divergence
-from kvcmas.bench.replay import RecordedHop, record_hops
+from kvcmas.eval.fidelity import kl_divergence
+from kvcmas.eval.replay import RecordedHop, record_hops
 from kvcmas.methods.droidspeak import DroidSpeak
 from kvcmas.methods.fullshared import FullShared
 

@@ -59,12 +59,15 @@ class Match:
     entropy: float  # normalized entropy of span_weights in [0, 1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PoolConfig:
+    """How a pool stores and matches anchors; built by the methods' configs, which hold the
+    defaults (:class:`~kvcmas.methods.kvcmas.KVCMASConfig`)."""
+
+    temperature: float  # T
     capacity: int = 10  # V
     delta_rank: int | None = 32  # r for deltas; None = full dimension
     base_rank: int | None = 32  # r for bases; None = full dimension
-    temperature: float = 0.05  # T
     eviction: str = "least-used"  # or "kvcomm": least used among the 5 oldest
     full_cover_only: bool = False  # KVCOMM: only anchors at least as long as the source
     seed: int = 0

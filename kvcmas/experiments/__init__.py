@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 
 EXPERIMENT_MODULES: dict[str, str] = {
-    "calibrate": "kvcmas.bench.experiments.calibrate",
-    "context-sweep": "kvcmas.bench.experiments.context_sweep",
-    "ablation": "kvcmas.bench.experiments.ablation",
-    "lowrank": "kvcmas.bench.experiments.lowrank",
-    "coverage": "kvcmas.bench.experiments.coverage_exp",
-    "accuracy": "kvcmas.bench.experiments.accuracy",
-    "report": "kvcmas.bench.experiments.report",
-    "smoke": "kvcmas.bench.experiments.smoke",
+    "calibrate": "kvcmas.experiments.calibrate",
+    "context-sweep": "kvcmas.experiments.context_sweep",
+    "ablation": "kvcmas.experiments.ablation",
+    "lowrank": "kvcmas.experiments.lowrank",
+    "coverage": "kvcmas.experiments.coverage_exp",
+    "accuracy": "kvcmas.experiments.accuracy",
+    "report": "kvcmas.experiments.report",
+    "smoke": "kvcmas.experiments.smoke",
 }
 
 

@@ -2,7 +2,7 @@
 
 * **(a) rank r and pool size V** against KV error and pool bytes, offline: (source, dense)
   pairs are collected once on a calibration stream (MMLU validation by default) and replayed
-  through fresh pools (:func:`kvcmas.bench.calibrate.replay`, which always corrects once two
+  through fresh pools (:func:`kvcmas.eval.calibrate_replay.replay`, which always corrects once two
   anchors exist, and records every pair as an anchor). ``r`` is the rank of bases and deltas.
 * **(b) gate threshold tau**: offline, the share of replayed pairs the gate would reuse and
   their error (a dense fallback has none); online, real runs of a few tau values on a small
@@ -23,11 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvcmas.anchors import AnchorPool, PoolConfig
-from kvcmas.bench import calibrate
-from kvcmas.bench.compare import fmt, run_method, summarize
-from kvcmas.bench.experiments import common
+from kvcmas.eval import calibrate_replay as calibrate
+from kvcmas.experiments import common
+from kvcmas.experiments.compare import fmt, run_method, summarize
 from kvcmas.methods import make_method
+from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.kvcmas import DEFAULT_TAU, DEFAULT_TEMPERATURE
 from kvcmas.model.loader import LoadedModel
 from kvcmas.workflow.builtin import roster
@@ -252,9 +252,9 @@ def capped(workflow: Workflow, max_new_tokens: int | None) -> Workflow:
 
 
 def ablate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from kvcmas.bench.requests import load_requests
+    from kvcmas.eval.requests import load_requests
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model
-    from kvcmas.workflow.spec import load_workflow
 
     loaded = load_model(args.model, args.dtype)
     workflow = capped(load_workflow(args.workflow), args.agent_tokens or None)
@@ -471,7 +471,7 @@ def cell(grid: list[dict], rank: int | None, pool_size: int, key: str) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvcmas.cli import add_model_args
+    from kvcmas.experiments.args import add_model_args
 
     p.add_argument("--parts", type=common.str_list, default=list(PARTS), help="a,b,c,d")
     p.add_argument("--workflow", default="roster", help="workflow of parts a-c")
@@ -501,7 +501,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from kvcmas.cli import UsageError
+    from kvcmas.errors import UsageError
 
     bad = [x for x in args.parts if x not in PARTS]
     if bad:

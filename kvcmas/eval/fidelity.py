@@ -6,14 +6,17 @@ run in bf16 with a comparison measures the numerical noise floor (METHOD.md sect
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvcmas.kv.cache import KVCache
+from kvcmas.model.cache import KVCache
 from kvcmas.model.generate import greedy_decode
+from kvcmas.model.loader import LoadedModel
 from kvcmas.model.transformer import Transformer
+from kvcmas.workflow.runner import HopView, PrefixCache
 
 
 @dataclass
@@ -113,3 +116,31 @@ def hop_fidelity(
         reference_output=ref_out.tokens,
         segment_errors=segment_errors,
     )
+
+
+class FidelityObserver:
+    """A :class:`~kvcmas.workflow.runner.Runner` observer: every hop against a dense prefill
+    of the same tokens on ``reference`` (fp32 by default), with its own system-prefix caches."""
+
+    def __init__(self, reference: LoadedModel):
+        self.reference = reference
+        self.prefixes = PrefixCache()
+
+    def __call__(self, view: HopView) -> dict[str, Any]:
+        hop, build = view.hop, view.build
+        ref_prefix = self.prefixes.get(self.reference.model, hop.segments[0].tokens)
+        spans = [(r.start, r.start + r.length) for r in build.records if r.slot is not None]
+        return asdict(
+            hop_fidelity(
+                self.reference.model,
+                ref_prefix,
+                hop.tokens,
+                view.model,
+                build.cache,
+                view.first_logits,
+                view.output_ids,
+                view.max_new_tokens,
+                view.stop,
+                spans,
+            )
+        )

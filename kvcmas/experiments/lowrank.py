@@ -3,7 +3,7 @@
 Three families of ``n x D`` matrices per layer (layers 1..L-1, canonical frame, K and V apart):
 
 * **delta**: ``dense - source`` of slot contents (query, agent outputs), from the (source,
-  dense) pairs that :func:`kvcmas.bench.calibrate.collect_pairs` records on a calibration
+  dense) pairs that :func:`kvcmas.eval.calibrate_replay.collect_pairs` records on a calibration
   stream (the anchors' deltas);
 * **base**: the source caches of the same pairs (the anchors' bases);
 * **prefix-induced (PF)**: recurring private text. The same glue text (``"Notes from the
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from kvcmas.bench.calibrate import EdgePair
-from kvcmas.bench.experiments import common
 from kvcmas.chat import render_segments, tokenize
+from kvcmas.eval.calibrate_replay import EdgePair
+from kvcmas.experiments import common
 from kvcmas.kv.lowrank import as_matrices, energy_rank
 from kvcmas.kv.segment import SegmentKV
 from kvcmas.model.loader import LoadedModel
@@ -231,11 +231,11 @@ def claims(s: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def analyse(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from kvcmas.bench.calibrate import collect_pairs
-    from kvcmas.bench.requests import load_requests
+    from kvcmas.eval.calibrate_replay import collect_pairs
+    from kvcmas.eval.requests import load_requests
+    from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model
     from kvcmas.workflow.builtin import roster
-    from kvcmas.workflow.spec import load_workflow
 
     loaded = load_model(args.model, args.dtype)
     workflow = load_workflow(args.workflow)
@@ -352,7 +352,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvcmas.cli import add_model_args
+    from kvcmas.experiments.args import add_model_args
 
     p.add_argument("--workflow", default="roster")
     p.add_argument("--requests", default="mmlu", help="JSONL file or dataset name")

@@ -1,6 +1,6 @@
 """Helpers shared by the experiments: progress, setup lines, output files, plots, runs.
 
-Per-method figures that need a fidelity reference come from :mod:`kvcmas.bench.compare`
+Per-method figures that need a fidelity reference come from :mod:`kvcmas.experiments.compare`
 (``summarize``); :func:`speed_summary` covers the reference-free speed runs (TTFT, reuse, state
 bytes, RSS), where no fp32 reference is computed.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcmas.bench.forward_speed import machine_description
+from kvcmas.experiments.forward_speed import machine_description
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel
 from kvcmas.workflow.runner import RequestResult, Runner

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcmas.anchors import AnchorPool, PoolConfig
+from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.kvcmas import KVCMAS
 from kvcmas.workflow.runner import Runner
 

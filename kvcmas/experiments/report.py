@@ -160,7 +160,7 @@ def write_report(root: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcmas.cli import UsageError
+    from kvcmas.errors import UsageError
 
     root = Path(args.dir)
     if not root.is_dir():

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcmas.bench.compare import accepted_params, fmt
-from kvcmas.bench.experiments import common
 from kvcmas.chat import render_segments, tokenize
-from kvcmas.cli import add_method_args, add_model_args, method_params
+from kvcmas.experiments import common
+from kvcmas.experiments.args import add_method_args, add_model_args
+from kvcmas.experiments.args import method_options as method_params
+from kvcmas.experiments.compare import fmt
 from kvcmas.methods import METHODS, make_method
 from kvcmas.methods.base import Method
 from kvcmas.workflow.spec import AgentSpec, Workflow
@@ -129,7 +130,7 @@ def documents(tokenizer, texts: list[str], n_tokens: int, count: int) -> list[st
 
 
 def source_texts(source: str) -> list[str]:
-    from kvcmas.bench.requests import load_requests
+    from kvcmas.eval.requests import load_requests
 
     return [r["query"] for r in load_requests(source, None, split="test")]
 
@@ -149,7 +150,7 @@ def run_one(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """One method on the trace: warm-ups (when it keeps state), then the measured requests."""
-    method = make_method(name, **accepted_params(name, params))
+    method = make_method(name, params, strict=False)
     runner = common.trace_runner(loaded, workflow, method, ignore_eos=True)
     n_warm = warmup if keeps_state(method) else 0
     requests = [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :]
@@ -334,7 +335,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from kvcmas.cli import UsageError
+    from kvcmas.errors import UsageError
 
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:

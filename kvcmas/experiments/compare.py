@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from kvcmas.methods import make_method
+from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, mean, run_summary
+from kvcmas.methods import check_options_used, make_method
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel, load_model
 from kvcmas.workflow.runner import RequestResult, Runner
@@ -25,28 +26,25 @@ LENGTH_BUCKETS_LABELS = [f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}" for lo, h
 NOISE_FLOOR = "nonshared-bf16"
 
 
-def _mean(xs) -> float | None:
-    xs = list(xs)
-    return statistics.fmean(xs) if xs else None
-
-
 def run_method(
     loaded: LoadedModel,
-    reference: LoadedModel,
+    reference: LoadedModel | None,
     workflow: Workflow,
     method: Method,
     requests: list[dict],
     progress=None,
 ) -> list[RequestResult]:
-    runner = Runner(loaded, workflow, method, reference=reference, reference_answers=False)
+    observer = FidelityObserver(reference) if reference is not None else None
+    runner = Runner(loaded, workflow, method, observer=observer)
     return list(runner.run_stream(requests, progress))
 
 
-def fidelity_summary(hops, later, n_layers: int) -> dict[str, Any]:
-    """Figures that need each hop's comparison with the dense fp32 reference."""
+def segment_errors(results: list[RequestResult]) -> dict[str, Any]:
+    """KV error of shared segments by slot kind and by length (all hops)."""
     seg_errors = [
         (s, e)
-        for h in hops
+        for r in results
+        for h in r.hops
         for s, e in zip(
             [s for s in h.segments if s["kind"] != "private"],
             h.fidelity["segment_errors"],
@@ -61,29 +59,15 @@ def fidelity_summary(hops, later, n_layers: int) -> dict[str, Any]:
         by_kind[kind] = {
             "segments": len(all_k),
             "reused": len(re_k),
-            "error_reused_mean": _mean(re_k),
-            "error_all_mean": _mean(all_k),
+            "error_reused_mean": mean(re_k),
+            "error_all_mean": mean(all_k),
         }
     by_length = {}
     for (lo, hi), label in zip(LENGTH_BUCKETS, LENGTH_BUCKETS_LABELS, strict=True):
         re_b = [e for s, e in reused if lo <= s["length"] < hi]
-        by_length[label] = {"reused": len(re_b), "error_reused_mean": _mean(re_b)}
-    fid = [h.fidelity for h in later]
+        by_length[label] = {"reused": len(re_b), "error_reused_mean": mean(re_b)}
     return {
-        "kv_error_mean": _mean(f["kv_rel_error"] for f in fid),
-        "kv_error_reused_segments_mean": _mean(e for _, e in reused),
-        "k_error_per_layer": [
-            _mean(f["k_rel_error_per_layer"][i] for f in fid) for i in range(n_layers)
-        ],
-        "v_error_per_layer": [
-            _mean(f["v_rel_error_per_layer"][i] for f in fid) for i in range(n_layers)
-        ],
-        "first_token_kl_mean": _mean(f["first_token_kl"] for f in fid),
-        "first_token_kl_median": statistics.median(f["first_token_kl"] for f in fid)
-        if fid
-        else None,
-        "continuation_kl_mean": _mean(f["continuation_kl"] for f in fid),
-        "same_hop_output_rate": _mean(float(f["same_output"]) for f in fid),
+        "kv_error_reused_segments_mean": mean(e for _, e in reused),
         "by_slot_kind": by_kind,
         "by_segment_length": by_length,
     }
@@ -97,32 +81,16 @@ def summarize(
     width: int,
 ) -> dict[str, Any]:
     """The per-method figures of the comparison table."""
-    hops = [h for r in results for h in r.hops]
-    later = [h for r in results for h in r.hops[1:]]  # the first hop is exact for KVCMAS
-    segs = [(s, h) for h in hops for s in h.segments if s["kind"] != "private"]
-    shared_tokens = sum(s["length"] for s, _ in segs)
-    out = {
-        "method": method.name,
-        "params": method.params(),
-        "requests": len(results),
-        "hops": len(hops),
-        "reuse_ratio_tokens": sum(s["length"] for s, _ in segs if s["decision"] != "dense")
-        / max(shared_tokens, 1),
-        "reuse_ratio_calls": sum(s["decision"] != "dense" for s, _ in segs) / max(len(segs), 1),
-        "recompute_fraction_mean": _mean(h.recompute_fraction for h in later),
-        "ttft_nonfirst_mean_s": _mean(h.ttft_s for h in later),
-        "ttft_all_mean_s": _mean(h.ttft_s for h in hops),
-        "latency_request_mean_s": _mean(sum(h.latency_s for h in r.hops) for r in results),
-        "method_state_bytes": method.memory_bytes(),
-        "peak_state_bytes": max(h.kv_bytes + h.source_bytes + h.method_state_bytes for h in hops),
-    }
-    if all(h.fidelity is not None for h in hops):
-        out.update(fidelity_summary(hops, later, n_layers))
+    out = {"method": method.name, "params": method.params(), **run_summary(results)}
+    out["method_state_bytes"] = method.memory_bytes()
+    if all(h.fidelity is not None for r in results for h in r.hops):
+        out.update(fidelity_summary(results, n_layers))
+        out.update(segment_errors(results))
     if baseline is not None:
-        same = [a.final_answer == b.final_answer for a, b in zip(results, baseline, strict=True)]
-        out["final_agreement"] = sum(same) / len(same)
-    if hasattr(method, "pool_report"):
-        out["pool"] = method.pool_report(n_layers, width)
+        out["final_agreement"] = agreement(results, baseline)
+    pool = method.pool_report(n_layers, width)
+    if pool is not None:
+        out["pool"] = pool
     return out
 
 
@@ -132,23 +100,23 @@ def compare(
     workflow: Workflow,
     requests: list[dict],
     methods: list[str],
-    method_params: dict[str, Any],
+    method_options: dict[str, Any],
     noise_floor: bool = True,
     log=print,
     fidelity: bool = True,
 ) -> dict[str, Any]:
     """Run every method (NonShared first: the reference answers) and summarize side by side."""
+    names = ["nonshared"] + [m for m in methods if m != "nonshared"]
+    check_options_used(names, method_options)
+    built = [(name, make_method(name, method_options, strict=False)) for name in names]
     loaded = load_model(model_spec, dtype)
     reference = None
     if fidelity:
         reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
-    names = ["nonshared"] + [m for m in methods if m != "nonshared"]
     results: dict[str, list[RequestResult]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     cfg = loaded.config
-    runs: list[tuple[str, LoadedModel, Method]] = [
-        (name, loaded, make_method(name, **accepted_params(name, method_params))) for name in names
-    ]
+    runs: list[tuple[str, LoadedModel, Method]] = [(n, loaded, m) for n, m in built]
     if noise_floor and fidelity and dtype == "fp32":
         runs.append((NOISE_FLOOR, load_model(model_spec, "bf16"), make_method("nonshared")))
     for label, model, method in runs:
@@ -162,9 +130,7 @@ def compare(
         baseline = results["nonshared"]
         summaries[label] = summarize(results[label], method, baseline, cfg.n_layers, cfg.kv_width)
         summaries[label]["wall_s"] = time.perf_counter() - start
-    base_ttft = summaries["nonshared"]["ttft_nonfirst_mean_s"]
-    for s in summaries.values():
-        s["ttft_ratio_vs_nonshared"] = s["ttft_nonfirst_mean_s"] / base_ttft
+    add_ratios(summaries)
     return {
         "setup": {
             "model": loaded.name,
@@ -180,18 +146,13 @@ def compare(
     }
 
 
-def accepted_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The subset of command-line knobs that this method takes."""
-    import inspect
-
-    from kvcmas.methods import METHODS
-
-    accepted = inspect.signature(METHODS[name]).parameters
-    return {k: v for k, v in params.items() if k in accepted}
-
-
 def fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def pair(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    """``all / later`` cell for a figure keyed ``key.format("all")`` and ``"later"``."""
+    return f"{fmt(m.get(key.format('all')), spec)} / {fmt(m.get(key.format('later')), spec)}"
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -200,26 +161,31 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"# Method comparison: {s['workflow']} workflow, {s['requests']} requests",
         "",
         f"Model {s['model']} ({s['dtype']}), fidelity against NonShared in "
-        f"{s['reference_dtype']}; machine {s['machine']}, {s['torch_threads']} torch threads. "
-        "Errors and KL are over hops after the first; TTFT is the mean over non-first hops.",
+        f"{s['reference_dtype']}; machine {s['machine']}, {s['torch_threads']} torch threads.",
         "",
-        "| method | reuse (tokens) | reuse (calls) | recompute | KV err | KV err reused segs "
-        "| KL first (mean / median) | KL cont. | same hop output | final agree | TTFT s "
-        "| TTFT / NonShared | state MiB | pool KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Each cell gives all hops / hops 2+. rho: shared tokens served from a source; "
+        "recompute: computed (token, layer) pairs of shared tokens over dense. Latency is the "
+        "request end to end (mean), bg the anchor work after it, compute the process CPU "
+        "seconds of the whole run; ratios are to NonShared (below 1 is faster).",
+        "",
+        "| method | rho | recompute | TTFT s | TTFT / NonShared | latency s (/NS) | bg s "
+        "| compute s (/NS) | KV err | KL first (mean) | KL cont. | same hop output "
+        "| final agree | state MiB | pool KiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, m in report["summary"].items():
         lines.append(
-            f"| {label} | {fmt(m['reuse_ratio_tokens'], '.2f')}"
-            f" | {fmt(m['reuse_ratio_calls'], '.2f')}"
-            f" | {fmt(m['recompute_fraction_mean'], '.2f')} | {fmt(m.get('kv_error_mean'), '.4f')}"
-            f" | {fmt(m.get('kv_error_reused_segments_mean'), '.4f')}"
-            f" | {fmt(m.get('first_token_kl_mean'), '.4f')}"
-            f" / {fmt(m.get('first_token_kl_median'), '.4f')}"
-            f" | {fmt(m.get('continuation_kl_mean'), '.4f')}"
-            f" | {fmt(m.get('same_hop_output_rate'), '.2f')}"
-            f" | {fmt(m.get('final_agreement'), '.2f')} | {fmt(m['ttft_nonfirst_mean_s'], '.3f')}"
-            f" | {fmt(m['ttft_ratio_vs_nonshared'], '.2f')}"
+            f"| {label} | {pair(m, 'rho_{}', '.2f')} | {pair(m, 'recompute_{}', '.2f')}"
+            f" | {pair(m, 'ttft_{}_mean_s')}"
+            f" | {fmt(m.get('ttft_all_ratio'), '.2f')} / {fmt(m.get('ttft_later_ratio'), '.2f')}"
+            f" | {fmt(m.get('latency_request_mean_s'))} ({fmt(m.get('latency_ratio'), '.2f')})"
+            f" | {fmt(m.get('background_request_mean_s'))}"
+            f" | {fmt(m.get('compute_s'), '.1f')} ({fmt(m.get('compute_ratio'), '.2f')})"
+            f" | {pair(m, 'kv_error_{}_mean', '.4f')}"
+            f" | {pair(m, 'first_token_kl_{}_mean', '.4f')}"
+            f" | {pair(m, 'continuation_kl_{}_mean', '.4f')}"
+            f" | {pair(m, 'same_hop_output_{}', '.2f')}"
+            f" | {fmt(m.get('final_agreement'), '.2f')}"
             f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['method_state_bytes'] / 1024:.0f} |"
         )
     lines += [

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcmas.kv.cache import KVCache
 from kvcmas.methods.base import Hop, HopBuild, Method, SegmentRecord, reuse_shared
 from kvcmas.methods.selective import segment_rows
+from kvcmas.model.cache import KVCache
 
 
 @dataclass
