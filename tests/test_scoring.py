@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcmas.bench.scoring import (
+from kvcmas.eval import scoring
+from kvcmas.eval.sandbox import run_python
+from kvcmas.eval.scoring import (
     extract_code,
     extract_final_number,
     extract_mmlu_letter,
@@ -286,3 +288,19 @@ def test_humaneval_early_exit_is_not_a_pass() -> None:
 def test_humaneval_memory_and_output_limits() -> None:
     assert run_humaneval(PROBLEM, "    x = [0] * (10 ** 10)\n")["status"] == "failed"
     assert run_humaneval(PROBLEM, "    print('x' * 10 ** 8)\n")["status"] == "failed"
+
+
+# ----------------------------------------------------------------------------- the sandbox
+
+
+def test_sandbox_is_its_own_module() -> None:
+    # The scorers only compose the program; running it is the sandbox's one job.
+    assert not hasattr(scoring, "subprocess") and not hasattr(scoring, "_CHILD")
+
+
+def test_sandbox_runs_a_program_to_its_end() -> None:
+    assert run_python("x = 1 + 1\nassert x == 2\n")["status"] == "passed"
+    failed = run_python("assert 1 == 2, 'nope'\n")
+    assert failed["status"] == "failed" and "nope" in failed["detail"]
+    assert run_python("def f(:\n")["status"] == "error"  # does not compile
+    assert run_python("import ctypes\n")["status"] == "failed"  # a refused import
