@@ -1,5 +1,5 @@
-"""The pure parts of the experiments (context-sweep, ablation, lowrank, coverage): traces,
-workflows, spectra arithmetic, replay bookkeeping, tables and plots on synthetic results, and
+"""The pure parts of the experiments (context-sweep, lowrank, coverage): traces,
+workflows, spectra arithmetic, tables and plots on synthetic results, and
 argument parsing. One tiny real-model computation (glue KV deviations)."""
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ import argparse
 import pytest
 import torch
 
-from kvcmas.anchors import PoolConfig
 from kvcmas.bench.calibrate import EdgePair
 from kvcmas.bench.experiments import (
     EXPERIMENT_MODULES,
-    ablation,
     common,
     context_sweep,
     coverage_exp,
@@ -24,7 +22,6 @@ from kvcmas.cli import build_parser
 
 MINE = {
     "context-sweep": context_sweep,
-    "ablation": ablation,
     "lowrank": lowrank,
     "coverage": coverage_exp,
 }
@@ -64,9 +61,6 @@ def test_bad_arguments_are_usage_errors():
     from kvcmas.cli import UsageError, main
 
     parser = build_parser()
-    args = parser.parse_args(["bench", "ablation", "--parts", "a,z", "--out", "x"])
-    with pytest.raises(UsageError, match="unknown part"):
-        ablation.check_args(args)
     args = parser.parse_args(["bench", "context-sweep", "--methods", "nope", "--out", "x"])
     with pytest.raises(UsageError, match="unknown method"):
         context_sweep.check_args(args)
@@ -115,22 +109,6 @@ def test_trace_lengths_and_size_cap(real_model, monkeypatch):
     monkeypatch.setattr(context_sweep, "exact_prefix", first_block_fails)
     skipped = context_sweep.documents(tok, texts, 100, 3)
     assert len(calls) == 4 and skipped[0] == docs[1]
-
-
-def test_ablation_workflows():
-    for n in (2, 3, 4, 6):
-        wf = ablation.chain_workflow(n, 32)
-        assert len(wf.agents) == n and wf.final == "decider"
-        last = wf.agents[-1]
-        assert last.slots == ["query", *wf.order[:-1]]
-    wf = ablation.debate_workflow(3, debaters=3, output_tokens=16)
-    assert len(wf.agents) == 9 and wf.final == wf.order[-1] == "checker_r3"
-    assert wf.agent("analyst_r1").slots == ["query"]
-    assert wf.agent("solver_r2").slots == ["query", "analyst_r1", "solver_r1", "checker_r1"]
-    assert wf.agent("solver_r2").system == wf.agent("solver_r1").system  # prefix cache shared
-    capped = ablation.capped(wf, 8)
-    assert {a.max_new_tokens for a in capped.agents} == {8}
-    assert ablation.capped(wf, None) is wf
 
 
 def test_keeps_state():
@@ -215,44 +193,6 @@ def test_glue_deviation_is_zero_for_the_same_prefix_and_not_otherwise(real_model
     assert diff_k.abs().max() > 1e-3
 
 
-# --- replay bookkeeping -----------------------------------------------------------------------
-
-
-def synthetic_pairs(count: int, n: int = 6, d: int = 8, edges: int = 2) -> list[EdgePair]:
-    g = torch.Generator().manual_seed(1)
-    pairs = []
-    for i in range(count):
-        x_k, x_v = torch.randn(2, n, d, generator=g), torch.randn(2, n, d, generator=g)
-        delta = 0.05 * torch.randn(2, n, d, generator=g)
-        edge = ("query", f"agent{i % edges}")
-        pairs.append(EdgePair(edge, "query", x_k, x_v, x_k + delta, x_v + delta))
-    return pairs
-
-
-def test_replay_config_reports_pool_bytes_bounded_by_capacity():
-    pairs = synthetic_pairs(10)
-    rows, small = ablation.replay_config(pairs, PoolConfig(capacity=2, delta_rank=None))
-    _, large = ablation.replay_config(pairs, PoolConfig(capacity=5, delta_rank=None))
-    assert len(rows) == 10 and small["edges"] == 2
-    assert small["anchors"] == 4 and large["anchors"] == 10
-    assert 0 < small["pool_bytes"] < large["pool_bytes"]
-    assert small["matched"] == 10 - 2 * 2  # two anchors per edge before matching
-    assert small["corrected_error_mean"] is not None
-
-
-def test_tau_offline_counts_reuse_and_charges_dense_zero():
-    rows = [
-        {"tokens": 10, "fullshared_error": 0.2},
-        {"tokens": 10, "fullshared_error": 0.2, "corrected_error": 0.1, "entropy": 0.5},
-        {"tokens": 30, "fullshared_error": 0.4, "corrected_error": 0.3, "entropy": 0.95},
-    ]
-    low, high = ablation.tau_offline(rows, [0.9, 1.01])
-    assert (low["reused"], high["reused"]) == (1, 2)
-    assert low["reuse_ratio_tokens"] == pytest.approx(10 / 50)
-    assert low["error_all_mean"] == pytest.approx(0.1 / 3)
-    assert high["error_reused_mean"] == pytest.approx(0.2)
-
-
 # --- tables and plots on synthetic results ----------------------------------------------------
 
 
@@ -311,52 +251,6 @@ def test_context_sweep_table_and_plots(tmp_path):
     context_sweep.plot(results, tmp_path)
     assert (tmp_path / "ttft_vs_size.png").stat().st_size > 0
     assert (tmp_path / "speedup_vs_size.png").stat().st_size > 0
-
-
-def test_ablation_tables_and_plots(tmp_path):
-    grid = [
-        {"rank": r, "pool_size": v, "matched": 5, "error_ratio_mean": 0.9, "pool_bytes": 1000 * v}
-        | {"error_ratio_median": 0.9, "corrected_error_mean": 0.1, "fullshared_error_mean": 0.11}
-        | {"anchors": v}
-        for r in (8, None)
-        for v in (2, 10)
-    ]
-    online = {
-        "reuse_ratio_tokens": 0.5,
-        "kv_error_mean": 0.01,
-        "first_token_kl_mean": 0.002,
-        "final_agreement": 1.0,
-        "ttft_nonfirst_mean_s": 0.5,
-        "method_state_bytes": 2048,
-    }
-    scale = [
-        {"axis": a, "value": v, "agent_calls": v, "method": m, "speedup_vs_nonshared": 1.0}
-        | speed(0.5)
-        for a in ("agents", "rounds")
-        for v in (2, 3)
-        for m in ("nonshared", "kvcmas")
-    ]
-    results = {
-        "setup": synthetic_setup(workflow="roster"),
-        "pairs": 20,
-        "rank_pool": grid,
-        "tau_offline": ablation.tau_offline([{"tokens": 5, "fullshared_error": 0.1}], [0.9]),
-        "tau_online": [{"tau": 0.9, **online}],
-        "chain": [{"chain": c, **online} for c in (True, False)],
-        "nonshared": {**online, "reuse_ratio_tokens": 0.0, "ttft_nonfirst_mean_s": 1.0},
-        "scale": scale,
-    }
-    md = ablation.markdown(results)
-    assert "| full | 10 | 5 | 0.900 |" in md and "| chain False |" in md
-    assert "| rounds | 3 | 3 | kvcmas |" in md
-    written = ablation.plot(results, tmp_path)
-    assert set(written) == {
-        "rank_pool_error.png",
-        "rank_pool_bytes.png",
-        "tau.png",
-        "scale_agents.png",
-        "scale_rounds.png",
-    }
 
 
 def test_coverage_claim_by_budget_table_and_plot(tmp_path):
