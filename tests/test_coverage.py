@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas.bench.coverage import (
+from kvcmas.eval.coverage import (
     HopError,
     best_block,
     claim_holds,
@@ -116,4 +116,6 @@ def test_hop_error_measures_reuse_error_per_token_and_layer(tiny_pair):
     torch.testing.assert_close(
         score, err[:, 1] - ((reused.k[1, :, 8:24] - dense.k[1, :, 8:24]).pow(2).sum((0, 2)))
     )
-    assert att.shape == (16,) and float(att.min()) >= 0 and float(att.sum()) <= 1 + 1e-5
+    # Every shared row precedes the last 10 queries (causal softmax: each gets some weight),
+    # and the prefix and tail take the rest of it.
+    assert att.shape == (16,) and float(att.min()) > 0 and float(att.sum()) < 1

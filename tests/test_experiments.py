@@ -9,16 +9,28 @@ import argparse
 import pytest
 import torch
 
-from kvcmas.bench.calibrate import EdgePair
-from kvcmas.bench.experiments import (
+from kvcmas.chat import tokenize
+from kvcmas.cli import build_parser
+from kvcmas.errors import UsageError
+from kvcmas.eval.calibrate_replay import EdgePair
+from kvcmas.eval.summary import run_summary
+from kvcmas.experiments import (
     EXPERIMENT_MODULES,
     common,
     context_sweep,
     coverage_exp,
     lowrank,
 )
-from kvcmas.chat import tokenize
-from kvcmas.cli import build_parser
+from kvcmas.experiments.child import in_child
+from kvcmas.experiments.context_sweep import documents as sweep_docs
+from kvcmas.experiments.context_sweep import plan as sweep_plan
+from kvcmas.experiments.context_sweep import report as sweep_report
+from kvcmas.experiments.context_sweep import runs as sweep_runs
+from kvcmas.experiments.lowrank import claims as lowrank_claims
+from kvcmas.experiments.lowrank import report as lowrank_report
+from kvcmas.experiments.lowrank import runs as lowrank_runs
+from kvcmas.experiments.lowrank import spectra
+from tests.fake_runs import fake_run, png_size
 
 MINE = {
     "context-sweep": context_sweep,
@@ -51,19 +63,30 @@ def test_list_parsers():
     assert common.int_list("1, 2,4") == [1, 2, 4]
     assert common.float_list("0.5,1.01") == [0.5, 1.01]
     assert common.rank_list("2,32,full,0") == [2, 32, None, None]
-    with pytest.raises(argparse.ArgumentTypeError):
+    assert common.choice_list(["a", "b"])("b, a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError, match="empty item"):
         common.int_list("1,,2")
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad list"):
         common.int_list("1,x")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown c: choose from a, b"):
+        common.choice_list(["a", "b"])("a,c")
+
+
+@pytest.mark.parametrize("experiment", ["context-sweep", "accuracy"])
+def test_unknown_method_is_refused_while_parsing(experiment, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["bench", experiment, "--methods", "nope", "--out", "x"])
+    assert info.value.code == 2
+    assert "unknown nope: choose from nonshared," in capsys.readouterr().err
 
 
 def test_bad_arguments_are_usage_errors():
-    from kvcmas.cli import UsageError, main
+    from kvcmas.cli import main
 
     parser = build_parser()
-    args = parser.parse_args(["bench", "context-sweep", "--methods", "nope", "--out", "x"])
-    with pytest.raises(UsageError, match="unknown method"):
-        context_sweep.check_args(args)
+    args = parser.parse_args(["bench", "context-sweep", "--agents", "1", "--out", "x"])
+    with pytest.raises(UsageError, match="--agents must be in 2..6"):
+        sweep_plan.check_args(args)
     assert main(["bench", "context-sweep", "--measure", "0", "--out", "x"]) == 2
 
 
@@ -71,7 +94,7 @@ def test_bad_arguments_are_usage_errors():
 
 
 def test_trace_workflow_chains_every_earlier_output():
-    wf = context_sweep.trace_workflow(4, 128)
+    wf = sweep_plan.trace_workflow(4, 128)
     assert wf.order == ("reader", "analyst", "critic", "writer")
     assert wf.inputs() == ["doc"]
     for i, agent in enumerate(wf.agents):
@@ -82,23 +105,23 @@ def test_trace_workflow_chains_every_earlier_output():
 
 def test_trace_lengths_and_size_cap(real_model, monkeypatch):
     tok = real_model.tokenizer
-    wf = context_sweep.trace_workflow(4, 128)
-    overhead = context_sweep.overhead_tokens(tok, wf)
+    wf = sweep_plan.trace_workflow(4, 128)
+    overhead = sweep_plan.overhead_tokens(tok, wf)
     # The last agent holds three earlier outputs and generates 128 more.
     assert 3 * 128 + 128 < overhead < 3 * 128 + 128 + 200
     limit = real_model.config.max_position - overhead
-    sizes, capped = context_sweep.cap_sizes([512, 8192, 9000], limit)
+    sizes, capped = sweep_plan.cap_sizes([512, 8192, 9000], limit)
     assert sizes == [512, limit] and capped == {8192: limit, 9000: limit}
     texts = [
         f"Question {i}: what is {i} plus {i + 1}? Think about it carefully." for i in range(80)
     ]
-    docs = context_sweep.documents(tok, texts, 100, 3)
+    docs = sweep_docs.documents(tok, texts, 100, 3)
     assert [len(tokenize(tok, d.strip())) for d in docs] == [100, 100, 100]
     assert len(set(docs)) == 3  # different content, same size
     with pytest.raises(ValueError, match="not enough text"):
-        context_sweep.documents(tok, texts[:5], 100, 3)
+        sweep_docs.documents(tok, texts[:5], 100, 3)
     # A block that no cut fits is skipped, not fatal: the next texts make the document.
-    real_cut, calls = context_sweep.exact_prefix, []
+    real_cut, calls = sweep_docs.exact_prefix, []
 
     def first_block_fails(tokenizer, ids, n):
         calls.append(n)
@@ -106,18 +129,18 @@ def test_trace_lengths_and_size_cap(real_model, monkeypatch):
             raise ValueError("no cut")
         return real_cut(tokenizer, ids, n)
 
-    monkeypatch.setattr(context_sweep, "exact_prefix", first_block_fails)
-    skipped = context_sweep.documents(tok, texts, 100, 3)
+    monkeypatch.setattr(sweep_docs, "exact_prefix", first_block_fails)
+    skipped = sweep_docs.documents(tok, texts, 100, 3)
     assert len(calls) == 4 and skipped[0] == docs[1]
 
 
 def test_keeps_state():
     from kvcmas.methods import make_method
 
-    assert not context_sweep.keeps_state(make_method("nonshared"))
-    assert not context_sweep.keeps_state(make_method("fullshared"))
-    assert context_sweep.keeps_state(make_method("kvcmas"))
-    assert context_sweep.keeps_state(make_method("kvcomm"))
+    assert not sweep_runs.keeps_state(make_method("nonshared"))
+    assert not sweep_runs.keeps_state(make_method("fullshared"))
+    assert sweep_runs.keeps_state(make_method("kvcmas"))
+    assert sweep_runs.keeps_state(make_method("kvcomm"))
 
 
 # --- spectra ----------------------------------------------------------------------------------
@@ -137,13 +160,13 @@ def planted(spectrum: list[float], n: int = 40, d: int = 24, layers: int = 3) ->
 def test_effective_rank_and_energy_of_planted_spectra():
     # Energies 16, 9, 4, 1 of 30: top-1 53%, top-2 83%, top-3 97% -> 90% needs 3.
     m = planted([4.0, 3.0, 2.0, 1.0])
-    fam = lowrank.Family("x")
+    fam = spectra.Family("x")
     fam.add(m)
     s = fam.summary()
     assert s["effective_rank_mean"] == 3 and s["effective_rank_max"] == 3
     assert s["energy_at_8"] == pytest.approx(1.0) and s["energy_at_32"] == pytest.approx(1.0)
-    curve = lowrank.energy_curve(m)
-    assert curve.shape == (3, lowrank.CURVE_RANKS)
+    curve = spectra.energy_curve(m)
+    assert curve.shape == (3, spectra.CURVE_RANKS)
     assert curve[0, :4].tolist() == pytest.approx([16 / 30, 25 / 30, 29 / 30, 1.0], abs=1e-5)
     flat = planted([1.0] * 20)  # flat spectrum of rank 20: 90% needs 18
     fam.add(flat)
@@ -152,7 +175,7 @@ def test_effective_rank_and_energy_of_planted_spectra():
 
 
 def test_rank_bound_by_short_segments():
-    fam = lowrank.Family("short")
+    fam = spectra.Family("short")
     fam.add(torch.randn(2, 5, 64))  # 5 tokens: rank at most 5
     s = fam.summary()
     assert s["effective_rank_max"] <= 5 and s["tokens_max"] == 5
@@ -167,24 +190,24 @@ def test_families_and_claims():
         y = [t + 0.1 * torch.randn(2, n, d, generator=g) for t in x]
         return EdgePair(("query", "b"), kind, x[0], x[1], y[0], y[1])
 
-    fams = lowrank.families_from_pairs([pair("query", 0), pair("agent", 1)])
+    fams = lowrank_runs.families_from_pairs([pair("query", 0), pair("agent", 1)])
     assert fams["delta K (all)"].lengths == [n, n]
     assert len(fams["base V (query)"].lengths) == 1
     devs = {(0, 0, 1): [(torch.randn(2, 4, d), torch.randn(2, 4, d)) for _ in range(3)]}
-    pf = lowrank.families_from_deviations(devs)
+    pf = lowrank_runs.families_from_deviations(devs)
     assert pf["PF K"].lengths == [4, 4, 4] and pf["PF K (stacked)"].lengths == [12]
     summaries = {k: f.summary() for k, f in {**fams, **pf}.items()}
-    c = lowrank.claims(summaries)
+    c = lowrank_claims.claims(summaries)
     assert c["delta_effective_rank_below_32"]["holds"]  # 12 tokens: trivially
     assert c["delta_effective_rank_below_32"]["holds_on_long_segments"] is None
-    md = lowrank.markdown({"setup": synthetic_setup(), "summaries": summaries, "claims": c})
+    md = lowrank_report.markdown({"setup": synthetic_setup(), "summaries": summaries, "claims": c})
     assert "| PF K |" in md and "delta effective rank below 32" in md
 
 
 def test_glue_deviation_is_zero_for_the_same_prefix_and_not_otherwise(real_model):
     """The one real-model computation: a few short prefills."""
     systems = ["You are a solver.", "You are a solver.", "You are a harsh critic of plans."]
-    devs = lowrank.prefix_deviations(real_model, systems, ["What is 2+2?"], ("Notes:",), print)
+    devs = lowrank_runs.prefix_deviations(real_model, systems, ["What is 2+2?"], ("Notes:",), print)
     ((same_k, same_v),) = devs[(0, 0, 1)]
     ((diff_k, _),) = devs[(0, 1, 2)]
     n = len(tokenize(real_model.tokenizer, "Notes:"))
@@ -223,17 +246,24 @@ def speed(ttft: float, reuse: float = 0.0) -> dict:
     }
 
 
-def test_context_sweep_table_and_plots(tmp_path):
+def test_context_sweep_table_and_plots(tmp_path, monkeypatch):
+    """Summaries from eval.summary: KVCMAS faster to first token but slower end to end here,
+    and the table shows both, with rho beside the recompute fraction."""
     runs = [
-        {"size": n, "method": m, "summary": speed(t * n / 512, r)}
+        {"size": n, "method": "nonshared", "summary": run_summary(fake_run(1.0, 10.0, 20.0, 0))}
         for n in (512, 1024)
-        for m, t, r in (("nonshared", 1.0, 0.0), ("kvcmas", 0.5, 0.8))
+    ] + [
+        {"size": n, "method": "kvcmas", "summary": run_summary(fake_run(0.6, 12.0, 15.0, 80))}
+        for n in (512, 1024)
     ]
     failed = {"size": 1024, "method": "kvcomm", "summary": None, "error": "...\nOOM: killed\n"}
     runs.append(failed)
-    context_sweep.add_speedups(runs)
-    speedups = [r["speedup_vs_nonshared"] for r in runs]
-    assert speedups[:4] == pytest.approx([1.0, 2.0, 1.0, 2.0]) and speedups[4] is None
+    sweep_runs.add_size_ratios(runs)
+    kv = runs[3]["summary"]
+    assert kv["ttft_later_ratio"] == pytest.approx(0.6)
+    assert kv["ttft_all_ratio"] == pytest.approx((1 + 3 * 0.6) / 4)
+    assert (kv["latency_ratio"], kv["compute_ratio"]) == pytest.approx((1.2, 0.75))
+    assert runs[0]["summary"]["ttft_later_ratio"] == 1.0
     results = {
         "setup": synthetic_setup(
             agents=4, output_tokens=128, warmup_requests=3, measured_requests=2, sizes=[512]
@@ -244,17 +274,36 @@ def test_context_sweep_table_and_plots(tmp_path):
         "isolated_processes": True,
         "runs": runs,
     }
-    md = context_sweep.markdown(results)
-    assert "| 1024 | kvcmas | 1.000 | 2.00 | 0.80 |" in md
+    md = sweep_report.markdown(results)
+    # TTFT all / 2+, its ratio, latency (ratio), compute (ratio), rho all / 2+, recompute.
+    assert (
+        "| 1024 | kvcmas | 0.700 / 0.600 | 0.70 / 0.60 | 12.00 (1.20) | 15.0 (0.75) "
+        "| 0.60 / 0.80 | 0.40 / 0.20 | 300 | 128 |"
+    ) in md
+    assert "| 512 | nonshared | 1.000 / 1.000 | 1.00 / 1.00 | 10.00 (1.00) | 20.0 (1.00) " in md
     assert "capped to 7500" in md and "Model m (fp32)" in md
-    assert "| 1024 | kvcomm | failed: OOM: killed |" in md
-    context_sweep.plot(results, tmp_path)
-    assert (tmp_path / "ttft_vs_size.png").stat().st_size > 0
-    assert (tmp_path / "speedup_vs_size.png").stat().st_size > 0
+    failed_row = next(line for line in md.splitlines() if "| kvcomm |" in line)
+    assert "failed: OOM: killed" in failed_row
+    header = next(line for line in md.splitlines() if line.startswith("| N |"))
+    assert failed_row.count("|") == header.count("|")  # a failed run keeps the columns
+
+    drawn = {}
+    monkeypatch.setattr(
+        sweep_report, "line_panels", lambda path, panels, *a, **k: drawn.update({path.name: panels})
+    )
+    sweep_report.plot(results, tmp_path)
+    cost, ratio = drawn["cost_vs_size.png"], drawn["ratio_vs_size.png"]
+    assert [label.split()[0] for label, _ in cost] == ["mean", "request", "compute:"]
+    assert cost[1][1]["kvcmas"] == ([512, 1024], [12.0, 12.0])  # latency beside the TTFT
+    assert ratio[2][1]["kvcmas"][1] == pytest.approx([0.75, 0.75])
+    assert ratio[0][1]["kvcomm"] == ([1024], [None])  # a failed run is a gap, not a crash
+    monkeypatch.undo()
+    sweep_report.plot(results, tmp_path)
+    assert png_size(tmp_path / "cost_vs_size.png") == (3 * 704, 462)  # three 6.4x4.2 panels
 
 
 def test_coverage_claim_by_budget_table_and_plot(tmp_path):
-    from kvcmas.bench.coverage import RULES
+    from kvcmas.eval.coverage import RULES
 
     rows = [
         {
@@ -282,7 +331,7 @@ def test_coverage_claim_by_budget_table_and_plot(tmp_path):
     md = coverage_exp.markdown(results)
     assert md.startswith("# Reconstruction coverage") and "budget 0.10: holds" in md
     coverage_exp.plot(results, tmp_path / "c.png")
-    assert (tmp_path / "c.png").stat().st_size > 0
+    assert png_size(tmp_path / "c.png") == (704, 462)
 
 
 # --- child processes --------------------------------------------------------------------------
@@ -297,6 +346,6 @@ def _fail() -> None:
 
 
 def test_in_child_returns_values_and_reports_failures():
-    assert common.in_child(_square, 7) == 49
+    assert in_child(_square, 7) == 49
     with pytest.raises(RuntimeError, match="boom"):
-        common.in_child(_fail)
+        in_child(_fail)

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kvcmas.bench.experiments import EXPERIMENT_MODULES, accuracy, report, smoke
-from kvcmas.bench.tasks import TASKS, extract_answer, score, task_workflow
 from kvcmas.chat import SLOT_PATTERN
-from kvcmas.cli import UsageError
-from kvcmas.workflow.spec import load_workflow
+from kvcmas.errors import UsageError
+from kvcmas.eval.summary import run_summary
+from kvcmas.eval.tasks import TASKS, extract_answer, load_workflow, score, task_workflow
+from kvcmas.experiments import EXPERIMENT_MODULES, report, smoke
+from kvcmas.experiments.accuracy import merge as acc_merge
+from kvcmas.experiments.accuracy import plan as acc_plan
+from kvcmas.experiments.accuracy import report as acc_report
+from kvcmas.experiments.accuracy import runs as acc_runs
+from tests.fake_runs import fake_run, png_size
 
 PROBLEM = {
     "prompt": 'def add(a, b):\n    """Return the sum of a and b."""\n',
@@ -142,20 +147,20 @@ def test_extract_answer_for_agreement():
 # ----------------------------------------------------------------------------- writers
 
 
-def _method_summary(acc: float, agree: float | None, n: int = 4) -> dict:
+def _method_summary(acc: float, agree: float | None, n: int = 4, ttft: float = 0.2) -> dict:
+    """A per-benchmark summary as ``runs.run_one`` makes it: eval.summary figures of a run
+    plus the task figures."""
+    served = 0 if agree is None else 80
     return {
+        **run_summary(fake_run(ttft, 3.0, 2.0, served, requests=n)),
         "items": n,
         "correct": round(acc * n),
         "accuracy": acc,
         "agreement": agree,
         "same_text_rate": agree,
         "unparsed_rate": 0.25,
-        "reuse_ratio_tokens": 0.0 if agree is None else 0.8,
-        "ttft_nonfirst_mean_s": 0.2,
-        "ttft_ratio_vs_nonshared": 1.0,
-        "peak_state_bytes": 3 * 2**20,
         "peak_rss_bytes": 900 * 2**20,
-        "pool_bytes": 2048,
+        "method_state_bytes": 2048,
         "new_tokens_per_item": 50.0,
         "s_per_item": 3.0,
     }
@@ -166,7 +171,7 @@ def synthetic_results() -> dict:
         t: {"name": f"{t}-roster", "max_new_tokens": {"a": 8, "b": 8, "c": 8, "judge": 16}}
         for t in ("mmlu", "gsm8k")
     }
-    return {
+    results = {
         "setup": {
             "experiment": "accuracy",
             "model": "smollm2-135m",
@@ -186,10 +191,13 @@ def synthetic_results() -> dict:
         },
         "items": {},
     }
+    for task in ("mmlu", "gsm8k"):
+        acc_runs.add_task_ratios(results["summary"], task)
+    return results
 
 
 def test_accuracy_table():
-    table = accuracy.markdown_table(synthetic_results())
+    table = acc_report.markdown_table(synthetic_results())
     assert "smollm2-135m (fp32)" in table and "4 MMLU, 4 GSM8K" in table
     assert "test cpu" in table
     main, efficiency = table.split("## Reuse")
@@ -198,14 +206,39 @@ def test_accuracy_table():
     assert "0.500 (2/4) | ref" in rows["nonshared"]
     assert "0.750 (3/4) | 0.75" in rows["kvcmas"] and "0.250 (1/4) | 1.00" in rows["kvcmas"]
     assert rows["nonshared-bf16"].endswith("| - | - |")  # a missing run is a dash, not a crash
-    assert "| kvcmas | MMLU | 0.80 |" in efficiency
+    # rho beside recompute (all hops / 2+), TTFT all / 2+ and its ratio, latency, compute.
+    assert (
+        "| kvcmas | MMLU | 0.60 / 0.80 | 0.40 / 0.20 | 0.400 / 0.200 | 1.00 / 1.00 "
+        "| 3.000 (1.00) | 8.0 (1.00) |"
+    ) in efficiency
+    assert "| nonshared | GSM8K | 0.00 / 0.00 | 1.00 / 1.00 |" in efficiency
     assert "| nonshared-bf16 | GSM8K" not in efficiency
+    assert "## Fidelity" not in table  # not measured in this run
+
+
+def test_accuracy_fidelity_table_gives_all_hops_and_later():
+    results = synthetic_results()
+    results["setup"]["fidelity"] = True
+    for per_task in results["summary"].values():
+        for m in per_task.values():
+            m.update(kv_error_all_mean=0.02, kv_error_later_mean=0.03)
+            m.update(first_token_kl_all_mean=0.1, first_token_kl_later_mean=0.2)
+            m.update(continuation_kl_all_mean=0.3, continuation_kl_later_mean=0.4)
+            m.update(same_hop_output_all=0.75, same_hop_output_later=0.5)
+    fidelity = acc_report.markdown_table(results).split("## Fidelity")[1]
+    assert "| kvcmas | GSM8K | 0.0200 / 0.0300 | 0.1000 / 0.2000 | 0.3000 / 0.4000 " in fidelity
+    assert "| 0.75 / 0.50 |" in fidelity
 
 
 def test_accuracy_outputs_and_report(tmp_path: Path):
     results = synthetic_results()
-    accuracy.write_outputs(results, tmp_path / "accuracy")
-    assert (tmp_path / "accuracy" / "accuracy.png").stat().st_size > 1000
+    acc_report.write_outputs(results, tmp_path / "accuracy")
+    assert png_size(tmp_path / "accuracy" / "accuracy.png") == (1320, 440)  # two 6x4 panels
+    saved = json.loads((tmp_path / "accuracy" / "results.json").read_text())
+    assert saved["summary"]["kvcmas"]["mmlu"]["rho_later"] == pytest.approx(0.8)
+    assert acc_report.bar_value(results, "nonshared", "mmlu", "agreement") == 1.0
+    assert acc_report.bar_value(results, "kvcmas", "gsm8k", "accuracy") == 0.25
+    assert acc_report.bar_value(results, "nonshared-bf16", "gsm8k", "accuracy") == 0.0
     other = tmp_path / "nested" / "sweep"
     other.mkdir(parents=True)
     (other / "results.json").write_text(
@@ -230,13 +263,33 @@ def test_demote_headings():
 
 
 def test_plan_runs():
-    runs = accuracy.plan_runs(["kvcmas", "nonshared"], "fp32", noise_floor=True)
-    assert runs == [
+    runs = acc_plan.plan_runs(["kvcmas", "nonshared"], "fp32", noise_floor=True)
+    assert [(r.label, r.method, r.dtype) for r in runs] == [
         ("nonshared", "nonshared", "fp32"),
         ("kvcmas", "kvcmas", "fp32"),
         ("nonshared-bf16", "nonshared", "bf16"),
     ]
-    assert len(accuracy.plan_runs(["kvcmas"], "bf16", noise_floor=True)) == 2
+    assert [r.label for r in acc_plan.plan_runs(["kvcmas"], "bf16", noise_floor=True)] == [
+        "nonshared",
+        "kvcmas",
+    ]
+
+
+def test_plan_from_args_checks_before_any_model_loads():
+    from kvcmas.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "accuracy", "--benchmarks", "gsm8k", "--out", "x"])
+    plan = acc_plan.plan_from_args(args)
+    assert plan.benchmarks == ("gsm8k",) and plan.limits == {"gsm8k": 60}
+    assert [r.label for r in plan.runs][0] == "nonshared"
+    args = parser.parse_args(["bench", "accuracy", "--limit", "0", "--out", "x"])
+    with pytest.raises(UsageError, match="--limit must be at least 1"):
+        acc_plan.plan_from_args(args)
+    args = parser.parse_args(["bench", "accuracy", "--tau", "0.5", "--methods", "fullshared",
+                              "--out", "x"])  # fmt: skip
+    with pytest.raises(UsageError, match="tau"):
+        acc_plan.plan_from_args(args)  # no planned method takes tau
 
 
 def _part(labels_tasks: dict[str, dict[str, list[str]]]) -> dict:
@@ -256,10 +309,8 @@ def _part(labels_tasks: dict[str, dict[str, list[str]]]) -> dict:
                 for i, a in enumerate(answers)
             ]
             part["items"].setdefault(label, {})[task] = records
-            part["summary"].setdefault(label, {})[task] = {
-                **_method_summary(0.5, None, n=2),
-                "ttft_nonfirst_mean_s": 0.4 if label == "nonshared" else 0.1,
-            }
+            ttft = 0.4 if label == "nonshared" else 0.1
+            part["summary"].setdefault(label, {})[task] = _method_summary(0.5, None, 2, ttft)
     return part
 
 
@@ -267,40 +318,41 @@ def test_merge_split_runs_recomputes_agreement_against_nonshared():
     a = _part({"nonshared": {"mmlu": ["A", "B"], "gsm8k": ["1", "2"]}})
     b = _part({"kvcmas": {"mmlu": ["A", "C"], "gsm8k": ["1", "2"]}})
     c = _part({"cacheblend": {"mmlu": ["D", "C"]}, "nonshared-bf16": {"mmlu": ["A", "B"]}})
-    merged = accuracy.merge_reports([c, b, a])
+    merged = acc_merge.merge_reports([c, b, a])
     assert list(merged["summary"]) == ["nonshared", "kvcmas", "cacheblend", "nonshared-bf16"]
     assert merged["setup"]["sizes"] == {"mmlu": 2, "gsm8k": 2}
     s = merged["summary"]
     assert s["kvcmas"]["mmlu"]["agreement"] == 0.5 and s["kvcmas"]["gsm8k"]["agreement"] == 1.0
     assert s["cacheblend"]["mmlu"]["agreement"] == 0.0
     assert s["nonshared-bf16"]["mmlu"]["agreement"] == 1.0
-    assert s["kvcmas"]["mmlu"]["ttft_ratio_vs_nonshared"] == 0.25
+    assert s["kvcmas"]["mmlu"]["ttft_later_ratio"] == pytest.approx(0.25)
+    assert s["kvcmas"]["mmlu"]["ttft_all_ratio"] == pytest.approx((1 + 0.3) / (1 + 1.2))
     assert "gsm8k" not in s["cacheblend"]
 
 
 def test_merge_refuses_parts_that_do_not_fit():
     a = _part({"nonshared": {"mmlu": ["A", "B"]}})
     with pytest.raises(UsageError, match="none of the merged runs holds NonShared"):
-        accuracy.merge_reports([_part({"kvcmas": {"mmlu": ["A", "B"]}})])
+        acc_merge.merge_reports([_part({"kvcmas": {"mmlu": ["A", "B"]}})])
     with pytest.raises(UsageError, match="appears in two"):
-        accuracy.merge_reports([a, _part({"nonshared": {"mmlu": ["A", "B"]}})])
+        acc_merge.merge_reports([a, _part({"nonshared": {"mmlu": ["A", "B"]}})])
     other_dtype = _part({"kvcmas": {"mmlu": ["A", "B"]}})
     other_dtype["setup"]["dtype"] = "bf16"
     with pytest.raises(UsageError, match="different dtype"):
-        accuracy.merge_reports([a, other_dtype])
+        acc_merge.merge_reports([a, other_dtype])
     more_items = _part({"kvcmas": {"mmlu": ["A", "B"]}})
     more_items["setup"]["sizes"]["mmlu"] = 3
     with pytest.raises(UsageError, match="2 and 3 mmlu items"):
-        accuracy.merge_reports([a, more_items])
+        acc_merge.merge_reports([a, more_items])
     other_ids = _part({"kvcmas": {"mmlu": ["A", "B"]}})
     other_ids["items"]["kvcmas"]["mmlu"][1]["id"] = "x"
     with pytest.raises(UsageError, match="other items than NonShared"):
-        accuracy.merge_reports([a, other_ids])
+        acc_merge.merge_reports([a, other_ids])
 
 
 def test_plan_runs_without_nonshared():
-    runs = accuracy.plan_runs(["kvcomm"], "fp32", noise_floor=True, with_nonshared=False)
-    assert runs == [("kvcomm", "kvcomm", "fp32"), ("nonshared-bf16", "nonshared", "bf16")]
+    runs = acc_plan.plan_runs(["kvcomm"], "fp32", noise_floor=True, with_nonshared=False)
+    assert [r.label for r in runs] == ["kvcomm", "nonshared-bf16"]
 
 
 # ----------------------------------------------------------------------------- smoke
@@ -308,11 +360,11 @@ def test_plan_runs_without_nonshared():
 
 def test_smoke_plan(tmp_path: Path):
     modules = {
-        "accuracy": "kvcmas.bench.experiments.accuracy",
-        "plain": "kvcmas.bench.tasks",  # no smoke_args
-        "missing": "kvcmas.bench.experiments.no_such_module",
-        "report": "kvcmas.bench.experiments.report",
-        "smoke": "kvcmas.bench.experiments.smoke",
+        "accuracy": "kvcmas.experiments.accuracy",
+        "plain": "kvcmas.eval.tasks",  # no smoke_args
+        "missing": "kvcmas.experiments.no_such_module",
+        "report": "kvcmas.experiments.report",
+        "smoke": "kvcmas.experiments.smoke",
     }
     steps = smoke.smoke_plan(tmp_path, modules, workflow_path=tmp_path / "wf.json")
     assert [s.name for s in steps] == ["compare", "accuracy", "plain", "missing", "report"]
@@ -345,9 +397,28 @@ def test_smoke_argv_parses(tmp_path: Path):
 
 def test_agreement_rule():
     base = {"answer": "B", "final_answer": "Answer: B"}
-    assert accuracy.same_answer({"answer": "B", "final_answer": "So B.\nAnswer: B"}, base)
-    assert not accuracy.same_answer({"answer": "C", "final_answer": "Answer: C"}, base)
+    assert acc_runs.same_answer({"answer": "B", "final_answer": "So B.\nAnswer: B"}, base)
+    assert not acc_runs.same_answer({"answer": "C", "final_answer": "Answer: C"}, base)
     unreadable = {"answer": None, "final_answer": "A. Paris"}
-    assert not accuracy.same_answer(unreadable, base)
-    assert accuracy.same_answer(dict(unreadable), unreadable)  # the very same text
-    assert not accuracy.same_answer({"answer": None, "final_answer": "B. Paris"}, unreadable)
+    assert not acc_runs.same_answer(unreadable, base)
+    assert acc_runs.same_answer(dict(unreadable), unreadable)  # the very same text
+    assert not acc_runs.same_answer({"answer": None, "final_answer": "B. Paris"}, unreadable)
+
+
+def test_smoke_steps_run_the_cli_in_a_child_process(tmp_path: Path):
+    """A step is the command a user would type, in its own process: its exit status is the
+    step's verdict (here: report on an empty folder fails, on a results folder passes)."""
+    import sys
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    failing = smoke.SmokeStep("report", ["bench", "report", str(empty)])
+    assert smoke.step_command(failing) == [
+        sys.executable, "-m", "kvcmas.cli", "bench", "report", str(empty)
+    ]  # fmt: skip
+    smoke.run_step(failing)
+    assert (failing.status, failing.note) == ("failed", "exit status 2")
+    (empty / "results.json").write_text(json.dumps({"setup": {"model": "m"}}))
+    passing = smoke.SmokeStep("report", ["bench", "report", str(empty)])
+    smoke.run_step(passing)
+    assert passing.status == "passed" and (empty / "REPORT.md").is_file()

@@ -1,8 +1,11 @@
 """Experiments run as ``kvcmas bench NAME``.
 
 Each module listed here defines ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``; the command line registers them all. Every experiment shows progress,
-and writes ``results.json``, a markdown table and PNG plots into ``--out``.
+``run(args) -> int`` (and ``smoke_args(out_dir)`` for ``kvcmas bench smoke``); the command line
+registers them all. A larger experiment is a package whose ``__init__`` holds just that
+contract, over separate pieces: ``plan`` (what runs: flags, items, sizes, methods), ``runs``
+(running it) and ``report`` (tables and plots). Every experiment shows progress, and writes
+``results.json``, a markdown table and PNG plots into ``--out``.
 """
 
 from __future__ import annotations

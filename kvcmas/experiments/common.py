@@ -1,25 +1,23 @@
-"""Helpers shared by the experiments: progress, setup lines, output files, plots, runs.
+"""Helpers shared by the experiments: progress, list flags, setup lines, output files, runs.
 
-Per-method figures that need a fidelity reference come from :mod:`kvcmas.experiments.compare`
-(``summarize``); :func:`speed_summary` covers the reference-free speed runs (TTFT, reuse, state
-bytes, RSS), where no fp32 reference is computed.
+Every figure of a run comes from :mod:`kvcmas.eval.summary` (``run_summary``); nothing here
+computes one. Plots live in :mod:`kvcmas.experiments.plots`, child processes in
+:mod:`kvcmas.experiments.child`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcmas.experiments.forward_speed import machine_description
+from kvcmas.experiments.machine import machine_description
+from kvcmas.experiments.plots import line_plot  # noqa: F401 - re-exported: ablation, calibrate
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel
 from kvcmas.workflow.runner import RequestResult, Runner
@@ -51,15 +49,34 @@ class Progress:
         self.__dict__.update(state, stream=sys.stderr)
 
 
-def parse_list(text: str, kind: Callable[[str], Any] = int) -> list:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; an empty item is an error."""
+def parse_list(
+    text: str, kind: Callable[[str], Any] = str, choices: Sequence[str] | None = None
+) -> list:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; an empty item, a bad value or (with ``choices``) an unknown
+    name is an argparse error that names it, so a typo fails before any model loads."""
     items = [t.strip() for t in str(text).split(",")]
     if not all(items):
         raise argparse.ArgumentTypeError(f"empty item in list {text!r}")
     try:
-        return [kind(t) for t in items]
+        values = [kind(t) for t in items]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
+    if choices is not None:
+        unknown = [v for v in values if v not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(str, unknown))}: choose from {', '.join(choices)}"
+            )
+    return values
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        return parse_list(text, str, choices)
+
+    return parse
 
 
 def int_list(text: str) -> list[int]:
@@ -86,23 +103,12 @@ def setup(loaded: LoadedModel, dtype: str, **sizes: Any) -> dict[str, Any]:
     return {
         "model": loaded.name,
         "dtype": dtype,
-        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, {machine_description()}",
+        "machine": machine_description(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         **sizes,
     }
-
-
-def cpu_name() -> str:
-    """The CPU model (Linux ``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def setup_lines(s: dict[str, Any]) -> list[str]:
@@ -141,11 +147,6 @@ def finish(out_dir, results: dict[str, Any], log, markdown: Callable, plot: Call
     return 0
 
 
-def mean(xs: Iterable[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-
 # --- runs ------------------------------------------------------------------------------------
 
 
@@ -172,105 +173,3 @@ def run_stream(
         out.append(result)
         log(f"{label}: request {i + 1}/{len(requests)} ({time.perf_counter() - start:.0f}s)")
     return out
-
-
-def speed_summary(results: list[RequestResult]) -> dict[str, Any]:
-    """Reference-free figures of a run: non-first-hop TTFT, reuse, output lengths, memory."""
-    hops = [h for r in results for h in r.hops]
-    later = [h for r in results for h in r.hops[1:]]
-    segs = [s for h in later for s in h.segments if s["kind"] != "private"]
-    shared = sum(s["length"] for s in segs)
-    per_agent: dict[str, list[float]] = {}
-    for h in later:
-        per_agent.setdefault(h.agent, []).append(h.ttft_s)
-    outputs = [h.output_tokens for h in hops]
-    return {
-        "requests": len(results),
-        "hops": len(hops),
-        "ttft_nonfirst_mean_s": mean(h.ttft_s for h in later),
-        "ttft_nonfirst_median_s": statistics.median(h.ttft_s for h in later) if later else None,
-        "ttft_per_agent_s": {a: mean(v) for a, v in per_agent.items()},
-        "ttft_first_mean_s": mean(r.hops[0].ttft_s for r in results),
-        "latency_request_mean_s": mean(sum(h.latency_s for h in r.hops) for r in results),
-        "reuse_ratio_tokens": sum(s["length"] for s in segs if s["decision"] != "dense")
-        / max(shared, 1),
-        "reuse_ratio_calls": sum(s["decision"] != "dense" for s in segs) / max(len(segs), 1),
-        "prompt_tokens_nonfirst_mean": mean(h.prompt_tokens for h in later),
-        "output_tokens": {"min": min(outputs), "max": max(outputs), "mean": mean(outputs)},
-        "peak_state_bytes": max(h.kv_bytes + h.source_bytes + h.method_state_bytes for h in hops),
-        "method_state_bytes": hops[-1].method_state_bytes,
-        "peak_rss_bytes": max(h.peak_rss_bytes for h in hops),
-    }
-
-
-def in_child(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a fresh child process, so that its peak RSS is the run's own high-water
-    mark; ``fn`` must be a module-level function and the arguments and result picklable.
-
-    The child is spawned, not forked: a fork taken while torch's OpenMP threads exist can
-    deadlock in the child (seen: a context-sweep child asleep on a futex for minutes).
-    """
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(send, fn, args))
-    child.start()
-    send.close()
-    try:
-        ok, value = receive.recv()
-    except EOFError:
-        ok, value = False, "the child process died without an answer (out of memory?)"
-    child.join()
-    if not ok:
-        raise RuntimeError(f"experiment run failed in its child process:\n{value}")
-    return value
-
-
-def _child_main(send, fn: Callable[..., Any], args: tuple) -> None:
-    import traceback
-
-    try:
-        result = (True, fn(*args))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        result = (False, traceback.format_exc())
-    send.send(result)
-    send.close()
-
-
-# --- plots -----------------------------------------------------------------------------------
-
-
-def line_plot(
-    path: Path,
-    series: dict[str, tuple[Sequence[float], Sequence[float | None]]],
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    logx: bool = False,
-    logy: bool = False,
-    hline: float | None = None,
-) -> None:
-    """One line per label; ``None`` values are skipped."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (xs, ys) in series.items():
-        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o" if len(pts) <= 16 else None, label=label)
-    if hline is not None:
-        ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

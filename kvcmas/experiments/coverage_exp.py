@@ -23,6 +23,7 @@ from kvcmas.eval.coverage import (
 )
 from kvcmas.experiments import common
 from kvcmas.experiments.args import add_model_args
+from kvcmas.experiments.plots import line_plot
 
 HELP = "share of the KV reuse error each selective-recomputation rule recomputes"
 
@@ -51,7 +52,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         rows = [r for r in c["rows"] if r["rule"] == rule]
         label = rule + (" (oracle)" if rule in ORACLES else "")
         series[label] = ([r["budget"] for r in rows], [r["coverage_mean"] for r in rows])
-    common.line_plot(
+    line_plot(
         path,
         series,
         "budget (fraction of shared tokens or layers)",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import platform
 import time
 
 import torch
 
+# machine_description is re-exported: `kvcmas bench forward` prints it from here.
+from kvcmas.experiments.machine import machine_description
 from kvcmas.model.loader import load_model, parse_dtype
+
+__all__ = ["machine_description", "measure_prefill"]
 
 
 def _best_of_interleaved(fns: dict, repeats: int) -> dict[str, float]:
@@ -62,7 +65,3 @@ def measure_prefill(
             )
     return rows
 
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {torch.get_num_threads()} torch threads"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
+
+from kvcmas.experiments.machine import machine_description
 
 HELP = "gather every experiment's results under DIR into DIR/REPORT.md"
 REPORT_NAME = "REPORT.md"
@@ -22,26 +22,6 @@ REPORT_NAME = "REPORT.md"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="folder holding experiment subfolders (results.json, table.md)")
-
-
-def describe_machine() -> str:
-    """CPU model, logical cores and torch threads: the facts a timing depends on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = "?"
-    try:
-        import torch
-
-        threads = str(torch.get_num_threads())
-    except ImportError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical cores, {threads} torch threads"
 
 
 def find_results(root: Path) -> list[Path]:
@@ -130,7 +110,7 @@ def build_report(root: Path) -> str:
         "# KVCMAS evaluation report",
         "",
         f"{len(folders)} experiment result folder(s) under `{root}`; "
-        f"gathered on {describe_machine()}.",
+        f"gathered on {machine_description()}.",
         "",
         "| folder | experiment | model | dtype | sizes | machine |",
         "|---|---|---|---|---|---|",

@@ -3,9 +3,14 @@
 Runs ``kvcmas bench compare`` on three requests of a short-budget roster, then every
 experiment registered in ``EXPERIMENT_MODULES`` whose module defines
 ``smoke_args(out_dir) -> list[str]`` (its small argv; experiments without one are skipped with
-a message), each into ``DIR/<name>``, and finally ``kvcmas bench report DIR``. Everything runs
-in this process, one step after the other; a failing step is reported and the rest still run.
-The whole smoke is sized to finish in under 10 minutes on two CPU threads.
+a message), each into ``DIR/<name>``, and finally ``kvcmas bench report DIR``. The steps run one
+after the other; a failing step is reported and the rest still run. The whole smoke is sized to
+finish in under 10 minutes on two CPU threads.
+
+Each step runs as ``python -m kvcmas.cli ...`` in a child process: exactly the command a user
+would type, without importing the command line (the layer above the experiments), and with
+each step's memory, torch state and peak RSS its own, so that one step cannot skew or crash
+the next. The cost is a second or two of imports per step.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvcmas.experiments.common import str_list
 
 HELP = "a small run of compare and of every registered experiment, then the report"
 NOT_SMOKED = {"smoke", "report"}  # this command and the final step
@@ -37,7 +44,7 @@ class SmokeStep:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for every experiment's subfolder")
     p.add_argument(
-        "--only", default=None, help="comma-separated step names (compare, accuracy, ...)"
+        "--only", type=str_list, default=None, help="comma-separated step names (compare, ...)"
     )
 
 
@@ -109,18 +116,17 @@ def smoke_plan(
     return steps
 
 
-def run_step(step: SmokeStep) -> None:
-    """Run one step through the command line in this process; record status and time."""
-    from kvcmas.cli import main
+def step_command(step: SmokeStep) -> list[str]:
+    """The child process's command line: this interpreter running the ``kvcmas`` CLI."""
+    return [sys.executable, "-m", "kvcmas.cli", *step.argv]
 
+
+def run_step(step: SmokeStep) -> None:
+    """Run one step through the command line in a child process; record status and time.
+
+    The child's stdout and stderr are this process's, so its progress shows as it runs."""
     start = time.perf_counter()
-    try:
-        rc = main(step.argv)
-    except SystemExit as e:  # argparse errors
-        rc = e.code if isinstance(e.code, int) else 1
-    except Exception:
-        traceback.print_exc()
-        rc = 1
+    rc = subprocess.run(step_command(step)).returncode
     step.wall_s = time.perf_counter() - start
     step.status = "passed" if rc == 0 else "failed"
     if rc != 0:
@@ -136,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
     workflow_path = write_smoke_workflow(out)
     steps = smoke_plan(out, workflow_path=workflow_path)
     if args.only:
-        wanted = {s.strip() for s in args.only.split(",")}
-        steps = [s for s in steps if s.name in wanted]
+        steps = [s for s in steps if s.name in args.only]
     start = time.perf_counter()
     for i, step in enumerate(steps, 1):
         if step.argv is None:

@@ -1,0 +1,102 @@
+"""Merging the parts of a split accuracy run (methods run in separate processes) into one.
+
+The parts must share model, dtype, item counts, workflows and method parameters; one must
+hold NonShared, against which agreement and the TTFT / latency / compute ratios are
+recomputed. A label present in two parts for the same benchmark is an error rather than a
+silent overwrite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvcmas.errors import UsageError
+from kvcmas.eval.tasks import TASKS
+from kvcmas.experiments.accuracy.runs import add_task_ratios, agreement_figures, mark_agreement
+from kvcmas.experiments.compare import NOISE_FLOOR
+from kvcmas.methods import METHODS
+
+SAME_SETUP = ("model", "dtype", "decoding", "method_params", "fidelity")
+
+
+def check_parts_fit(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, dict]]:
+    """Per benchmark, the item count and workflow every part agrees on."""
+    if not reports:
+        raise UsageError("--merge needs at least one results folder")
+    first = reports[0]["setup"]
+    for other in reports[1:]:
+        for key in SAME_SETUP:
+            if other["setup"].get(key) != first.get(key):
+                raise UsageError(f"cannot merge runs with a different {key}")
+    # Parts may cover different benchmarks; each benchmark's items and budgets must agree.
+    sizes: dict[str, int] = {}
+    workflows: dict[str, dict] = {}
+    for r in reports:
+        for task, n in r["setup"]["sizes"].items():
+            if sizes.setdefault(task, n) != n:
+                raise UsageError(f"cannot merge runs with {sizes[task]} and {n} {task} items")
+            if workflows.setdefault(task, r["setup"]["workflows"][task]) != workflows[task]:
+                raise UsageError(f"cannot merge runs with different {task} workflows")
+    return sizes, workflows
+
+
+def collect_runs(reports: list[dict[str, Any]]) -> tuple[dict, dict]:
+    """Summaries and items of every (label, benchmark), in method-registry order."""
+    summary: dict[str, dict] = {}
+    items: dict[str, dict] = {}
+    for r in reports:
+        for label, per_task in r["summary"].items():
+            for task, s in per_task.items():
+                if task in summary.get(label, {}):
+                    raise UsageError(
+                        f"{label} on {task} appears in two of the merged runs (run the noise "
+                        "floor in one part only: --no-noise-floor in the others)"
+                    )
+                summary.setdefault(label, {})[task] = s
+                items.setdefault(label, {})[task] = r["items"][label][task]
+    if "nonshared" not in summary:
+        raise UsageError("none of the merged runs holds NonShared, the agreement reference")
+    known = list(METHODS) + [NOISE_FLOOR]  # registry order; unknown labels after the methods
+    order = sorted(summary, key=lambda x: known.index(x) if x in known else len(METHODS))
+    return {k: summary[k] for k in order}, {k: items[k] for k in order}
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the parts of a split run."""
+    sizes, workflows = check_parts_fit(reports)
+    summary, items = collect_runs(reports)
+    setup = dict(reports[0]["setup"])
+    setup["sizes"] = {t: sizes[t] for t in TASKS if t in sizes}
+    setup["workflows"] = {t: workflows[t] for t in setup["sizes"]}
+    setup["methods"] = list(summary)
+    setup["noise_floor"] = NOISE_FLOOR if NOISE_FLOOR in summary else None
+    setup["machine"] = "; ".join(dict.fromkeys(r["setup"]["machine"] for r in reports))
+    setup["merged_from"] = len(reports)
+    for label, per_task in items.items():
+        for task, records in per_task.items():
+            base = items["nonshared"].get(task)
+            if label == "nonshared" or base is None:
+                continue
+            if [r["id"] for r in records] != [b["id"] for b in base]:
+                raise UsageError(f"{label} on {task} ran other items than NonShared")
+            for record, b in zip(records, base, strict=True):
+                mark_agreement(record, b)
+            summary[label][task].update(agreement_figures(records))
+    for task in setup["sizes"]:
+        add_task_ratios(summary, task)
+    return {"setup": setup, "summary": summary, "items": items}
+
+
+def read_parts(dirs: list[str]) -> list[dict[str, Any]]:
+    reports = []
+    for d in dirs:
+        path = Path(d) / "results.json"
+        if not path.is_file():
+            raise UsageError(f"no results.json in {d}")
+        report = json.loads(path.read_text())
+        if report.get("setup", {}).get("experiment") != "accuracy":
+            raise UsageError(f"{path} is not an accuracy run")
+        reports.append(report)
+    return reports
