@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from kvcmas.errors import UsageError
+from kvcmas.errors import KvcmasError, UsageError
 from kvcmas.experiments.args import add_method_args, add_model_args, method_options
 from kvcmas.model.loader import DEFAULT_MODEL, DTYPES
 
@@ -67,23 +67,30 @@ def cmd_bench_forward(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from kvcmas.eval.fidelity import FidelityObserver
     from kvcmas.eval.tasks import load_workflow
     from kvcmas.methods import make_method
     from kvcmas.model.loader import load_model
     from kvcmas.workflow.runner import Runner, read_requests
 
+    # Every input is checked before the model loads (a cold load takes most of a minute).
     workflow = load_workflow(args.workflow)
     requests = read_requests(args.requests) if args.requests else [{"query": args.question}]
-    for r in requests:
-        workflow.check_request(r)
+    for i, r in enumerate(requests, 1):
+        workflow.check_request(r, where=f"request {i}")
     method = make_method(args.method, method_options(args))
     loaded = load_model(args.model, args.dtype)
-    reference = None
+    observer = reference_runner = None
     if args.compare:
         same = args.reference_dtype == args.dtype
         reference = loaded if same else load_model(args.model, args.reference_dtype)
-    runner = Runner(loaded, workflow, method, reference=reference)
+        observer = FidelityObserver(reference)
+        reference_runner = Runner(reference, workflow, make_method("nonshared"))
+    runner = Runner(loaded, workflow, method, observer=observer)
     for i, result in enumerate(runner.run_stream(requests)):
+        if reference_runner is not None:  # NonShared's final answer on the reference model
+            ref = reference_runner.run(requests[i])
+            result.reference_final_answer = ref.final_answer
         if args.json:
             print(json.dumps(result.to_json()), flush=True)
         else:
@@ -93,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def print_result_table(i, result) -> None:
     print(f"request {result.request} [{result.method}]")
-    cols = ["agent", "ttft_s", "prompt", "prefilled", "reused", "recompute", "decisions"]
+    cols = ["agent", "ttft_s", "latency_s", "prompt", "prefilled", "rho", "recompute", "decisions"]
     compare = result.hops[0].fidelity is not None
     if compare:
         cols += ["kv_err", "kl_first", "kl_cont", "same"]
@@ -103,10 +110,11 @@ def print_result_table(i, result) -> None:
         row = [
             h.agent,
             f"{h.ttft_s:.3f}",
+            f"{h.latency_s:.3f}",
             h.prompt_tokens,
             h.prefilled_tokens,
-            h.reused_tokens,
-            f"{h.recompute_fraction:.2f}",
+            "-" if h.rho is None else f"{h.rho:.2f}",
+            "-" if h.recompute_fraction is None else f"{h.recompute_fraction:.2f}",
             decisions or "-",
         ]
         if compare:
@@ -119,6 +127,10 @@ def print_result_table(i, result) -> None:
             ]
         print("  " + "  ".join(f"{str(c):>10}" for c in row))
     print(f"  final answer: {result.final_answer}")
+    print(
+        f"  request latency {result.latency_s:.3f} s, background {result.background_s:.3f} s, "
+        f"compute {result.cpu_s:.3f} CPU s"
+    )
     if result.reference_final_answer is not None:
         print(f"  same final answer as NonShared: {result.same_final_answer}")
 
@@ -139,8 +151,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         )
     workflow = load_workflow(args.workflow)
     requests = load_requests(args.requests, args.limit)
-    for r in requests:
-        workflow.check_request(r)
+    for i, r in enumerate(requests, 1):
+        workflow.check_request(r, where=f"request {i}")
     report = compare(
         args.model,
         args.dtype,
@@ -256,11 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvcmas.eval.data import DataMissingError
-    from kvcmas.model.config import UnsupportedModelError
-    from kvcmas.model.loader import ModelLoadError
-    from kvcmas.workflow.spec import WorkflowError
-
     for flag in ("dtype", "reference_dtype"):
         value = getattr(args, flag, None)
         if value is not None and value not in DTYPES:
@@ -275,14 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (
-        UsageError,
-        ModelLoadError,
-        UnsupportedModelError,
-        FileNotFoundError,
-        WorkflowError,
-        DataMissingError,
-    ) as e:
+    except (KvcmasError, FileNotFoundError) as e:
         print(f"kvcmas: error: {e}", file=sys.stderr)
         return 2
 

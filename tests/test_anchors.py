@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas.anchors import AnchorPool, PoolConfig
+from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.kv.lowrank import energy_rank, factorize
 
 
@@ -38,7 +38,7 @@ def test_energy_rank_finds_planted_rank():
 
 def make_pool(capacity=3, eviction="least-used", **kw):
     return AnchorPool(
-        PoolConfig(capacity=capacity, delta_rank=4, base_rank=4, eviction=eviction, **kw)
+        PoolConfig(**{"temperature": 0.05, **kw}, capacity=capacity, delta_rank=4, base_rank=4, eviction=eviction)
     )
 
 
@@ -109,7 +109,7 @@ def test_full_cover_only_ignores_short_anchors():
 
 @pytest.mark.parametrize("rank", [4, None])
 def test_pool_bytes_match_the_formula(rank):
-    pool = AnchorPool(PoolConfig(capacity=4, delta_rank=rank, base_rank=rank))
+    pool = AnchorPool(PoolConfig(0.05, capacity=4, delta_rank=rank, base_rank=rank))
     layers, d = 2, 8
     lengths = [10, 13, 20]
     for i, n in enumerate(lengths):
@@ -125,7 +125,7 @@ def test_factors_keep_full_width_when_rank_would_not_save_memory():
 
 
 def test_layer_by_layer_matching_equals_batched(monkeypatch):
-    import kvcmas.anchors as anchors
+    import kvcmas.methods.anchors as anchors
 
     pool = make_pool(capacity=3)
     for i in range(3):

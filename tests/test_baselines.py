@@ -16,13 +16,12 @@ import torch
 from kvcmas.chat import Segment
 from kvcmas.kv.segment import SegmentKV
 from kvcmas.methods import METHODS, make_method
-from kvcmas.methods.base import Hop, SharedSegment, standalone_prefill
-from kvcmas.methods.cacheblend import CacheBlend, selected_count
-from kvcmas.methods.droidspeak import DroidSpeak, default_block
+from kvcmas.methods.base import Hop, ReuseCounts, SharedSegment, standalone_prefill
+from kvcmas.methods.cacheblend import selected_count
+from kvcmas.methods.droidspeak import default_block
 from kvcmas.methods.fullshared import FullShared
-from kvcmas.methods.graphflow import GraphFlow
 from kvcmas.methods.nonshared import NonShared
-from kvcmas.methods.relaycaching import RelayCaching, default_layers, received_attention
+from kvcmas.methods.relaycaching import default_layers, received_attention
 from kvcmas.model.generate import greedy_decode
 
 ATOL = 1e-5
@@ -44,12 +43,12 @@ def source_kv(model, prefix=OTHER_PREFIX, tokens=SHARED) -> SegmentKV:
     return SegmentKV.from_cache(cache, len(prefix), len(prefix) + len(tokens), model.inv_freq)
 
 
-def make_hop(model, source: SegmentKV | None, tokens=SHARED, request_index=0, agent="b") -> Hop:
+def make_hop(model, source: SegmentKV | None, tokens=SHARED, session="s0", agent="b") -> Hop:
     shared = SharedSegment("query", "query", tokens)
     if source is not None:
         shared.record("a", source)
     segments = [Segment(PREFIX), Segment(tokens, slot="query"), Segment(TAIL)]
-    return Hop(agent, request_index, 1, segments, {"query": shared})
+    return Hop(agent, session, 1, segments, {"query": shared})
 
 
 def build(method, model, hop):
@@ -73,9 +72,7 @@ def assert_same_build(a, b, atol=ATOL):
 
 
 def recompute_fraction(records, n_layers: int) -> float:
-    """As the runner measures it: computed shared pairs over dense shared pairs."""
-    shared = [r for r in records if r.slot is not None]
-    return sum(r.computed_pairs for r in shared) / (sum(r.length for r in shared) * n_layers)
+    return ReuseCounts.of(records, n_layers).recompute_fraction
 
 
 def span(cache, start, n):
@@ -95,20 +92,20 @@ def dense_and_full(model):
 
 def full_recompute_methods(n_layers: int):
     return [
-        CacheBlend(ratio=1.0),
-        CacheBlend(ratio=1.0, check_layer=0, select_by="key"),
-        DroidSpeak(block=f"0:{n_layers}"),
-        RelayCaching(layers=(0, 0, n_layers - 1), tau_dev=0.0),
+        make_method("cacheblend", ratio=1.0),
+        make_method("cacheblend", ratio=1.0, check_layer=0, select_by="key"),
+        make_method("droidspeak", block=f"0:{n_layers}"),
+        make_method("relaycaching", layers=f"0:0:{n_layers - 1}", tau_dev=0.0),
     ]
 
 
 def zero_recompute_methods():
     inf = float("inf")
     return [
-        CacheBlend(ratio=0.0),
-        DroidSpeak(block="0:0"),
-        DroidSpeak(block=(2, 2)),
-        RelayCaching(layers="0:0:3", tau_dev=inf, tau_inf=inf),
+        make_method("cacheblend", ratio=0.0),
+        make_method("droidspeak", block="0:0"),
+        make_method("droidspeak", block="2:2"),
+        make_method("relaycaching", layers="0:0:3", tau_dev=inf, tau_inf=inf),
     ]
 
 
@@ -136,7 +133,13 @@ def test_zero_recompute_reproduces_fullshared(model, dense_and_full):
 def test_first_consumer_prefills_densely(model):
     hop = make_hop(model, None)
     dense = build(NonShared(), model, hop)
-    for method in [CacheBlend(), DroidSpeak(), DroidSpeak("2:4"), RelayCaching(), GraphFlow()]:
+    for method in [
+        make_method("cacheblend"),
+        make_method("droidspeak"),
+        make_method("droidspeak", block="2:4"),
+        make_method("relaycaching"),
+        make_method("graphflow"),
+    ]:
         out = build(method, model, hop)
         assert_same_build(out, dense)
         assert shared_record(out[2]).decision == "dense"
@@ -147,7 +150,11 @@ def test_exact_source_makes_any_selection_exact(model):
     methods select, the hop equals NonShared's."""
     hop = make_hop(model, source_kv(model, prefix=PREFIX))
     dense = build(NonShared(), model, hop)
-    for method in [CacheBlend(ratio=0.3), DroidSpeak("1:3"), RelayCaching("1:2:3")]:
+    for method in [
+        make_method("cacheblend", ratio=0.3),
+        make_method("droidspeak", block="1:3"),
+        make_method("relaycaching", layers="1:2:3"),
+    ]:
         assert_same_build(build(method, model, hop), dense)
 
 
@@ -160,7 +167,9 @@ def test_cacheblend_selected_rows_are_recomputed_in_the_reused_context(
 ):
     hop, dense, full = dense_and_full
     n_layers, n, start = model.config.n_layers, len(SHARED), len(PREFIX)
-    cache, _, records = build(CacheBlend(ratio, check_layer), model, hop)
+    cache, _, records = build(
+        make_method("cacheblend", ratio=ratio, check_layer=check_layer), model, hop
+    )
     k = selected_count(ratio, n)
     rec = shared_record(records)
     assert rec.details["selected"] == k and rec.decision == "partial"
@@ -200,7 +209,7 @@ def test_cacheblend_selects_the_most_deviating_values(model):
     src.v[3] += 0.01 * torch.randn_like(src.v[3])
     hop = make_hop(model, src)
     start, n = len(PREFIX), len(SHARED)
-    cache, _, records = build(CacheBlend(ratio=3 / n, check_layer=1), model, hop)
+    cache, _, records = build(make_method("cacheblend", ratio=3 / n, check_layer=1), model, hop)
     assert shared_record(records).details["selected"] == 3
     dense = build(NonShared(), model, hop)[0]
     exact = (span(cache, start, n)[1][3] - span(dense, start, n)[1][3]).abs().amax((0, 2))
@@ -209,11 +218,13 @@ def test_cacheblend_selects_the_most_deviating_values(model):
 
 def test_cacheblend_refuses_bad_parameters(model, dense_and_full):
     with pytest.raises(ValueError, match="ratio"):
-        CacheBlend(ratio=1.5)
+        make_method("cacheblend", ratio=1.5)
     with pytest.raises(ValueError, match="select_by"):
-        CacheBlend(select_by="query")
+        make_method("cacheblend", select_by="query")
     with pytest.raises(ValueError, match="check_layer"):
-        build(CacheBlend(check_layer=model.config.n_layers), model, dense_and_full[0])
+        build(
+            make_method("cacheblend", check_layer=model.config.n_layers), model, dense_and_full[0]
+        )
 
 
 # --- DroidSpeak ----------------------------------------------------------------------------
@@ -223,7 +234,7 @@ def test_droidspeak_block_runs_from_the_saved_hidden_state(model):
     """The first consumer saves its hidden state at s; the next hop reuses its cache outside
     [s, e) and recomputes the block from that state in its own context."""
     n, start = len(SHARED), len(PREFIX)
-    method = DroidSpeak(block="1:3")
+    method = make_method("droidspeak", block="1:3")
     first = make_hop(model, None, agent="a")
     other = model.new_cache()
     model.prefill(list(OTHER_PREFIX), other)
@@ -252,29 +263,29 @@ def test_droidspeak_block_runs_from_the_saved_hidden_state(model):
 
 def test_droidspeak_without_saved_state_starts_at_layer_zero(model, dense_and_full):
     hop = dense_and_full[0]
-    cache, _, records = build(DroidSpeak(block="2:3"), model, hop)
+    cache, _, records = build(make_method("droidspeak", block="2:3"), model, hop)
     rec = shared_record(records)
     assert rec.details["from_layer"] == 0 and rec.computed_pairs == 3 * len(SHARED)
 
 
 def test_droidspeak_default_and_bad_blocks(model, dense_and_full):
     assert default_block(30) == (6, 28) and default_block(4) == (1, 4)
-    method = DroidSpeak()
+    method = make_method("droidspeak")
     build(method, model, dense_and_full[0])
     assert method.params()["block"] == list(default_block(model.config.n_layers))
     with pytest.raises(ValueError, match="block"):
-        DroidSpeak(block="5:2")
+        make_method("droidspeak", block="5:2")
     with pytest.raises(ValueError, match="block"):
-        DroidSpeak(block="a:b")
+        make_method("droidspeak", block="a:b")
     with pytest.raises(ValueError, match="exceeds"):
-        build(DroidSpeak(block="0:9"), model, dense_and_full[0])
+        build(make_method("droidspeak", block="0:9"), model, dense_and_full[0])
 
 
 def test_layer_specs_read_from_profile_json(tmp_path):
     path = tmp_path / "p.json"
     path.write_text('{"block": [2, 5], "layers": [1, 2, 3]}')
-    assert DroidSpeak(block=str(path)).params()["block"] == [2, 5]
-    assert RelayCaching(layers=str(path)).params()["layers"] == [1, 2, 3]
+    assert make_method("droidspeak", block=str(path)).params()["block"] == [2, 5]
+    assert make_method("relaycaching", layers=str(path)).params()["layers"] == [1, 2, 3]
 
 
 def test_decode_capture_keeps_every_output_tokens_hidden_state(model):
@@ -298,7 +309,9 @@ def test_decode_capture_keeps_every_output_tokens_hidden_state(model):
 def test_relaycaching_bands(model, dense_and_full):
     hop, dense, full = dense_and_full
     n, start = len(SHARED), len(PREFIX)
-    cache, _, records = build(RelayCaching("1:2:2", tau_dev=1.0, tau_inf=1.45), model, hop)
+    cache, _, records = build(
+        make_method("relaycaching", layers="1:2:2", tau_dev=1.0, tau_inf=1.45), model, hop
+    )
     rec = shared_record(records)
     k = rec.details["selected"]
     assert 0 < k < n and rec.computed_pairs == n * 2 + k * 1  # band run from layer 0
@@ -322,9 +335,9 @@ def test_received_attention_is_a_distribution():
 def test_relaycaching_default_layers():
     assert default_layers(30) == (14, 17, 25) and default_layers(4) == (2, 2, 3)
     with pytest.raises(ValueError):
-        RelayCaching(layers="3:2:5")
+        make_method("relaycaching", layers="3:2:5")
     with pytest.raises(ValueError):
-        RelayCaching(tau_dev=-1)
+        make_method("relaycaching", tau_dev=-1)
 
 
 # --- GraphFlow -----------------------------------------------------------------------------
@@ -333,7 +346,7 @@ def test_relaycaching_default_layers():
 def test_graphflow_base_equals_standalone_prefill(model, dense_and_full):
     hop = dense_and_full[0]
     n, start, n_layers = len(SHARED), len(PREFIX), model.config.n_layers
-    cache, _, records = build(GraphFlow(residual_topk=0), model, hop)
+    cache, _, records = build(make_method("graphflow", residual_topk=0), model, hop)
     rec = shared_record(records)
     assert rec.computed_pairs == n * n_layers and rec.details["residual_tokens"] == 0
     alone = model.new_cache()
@@ -345,7 +358,7 @@ def test_graphflow_base_equals_standalone_prefill(model, dense_and_full):
 
 def test_graphflow_records_a_residual_then_applies_it(model):
     n, start = len(SHARED), len(PREFIX)
-    method = GraphFlow(residual_topk=5)
+    method = make_method("graphflow", residual_topk=5)
     hop = make_hop(model, source_kv(model))
     first = build(method, model, hop)
     assert shared_record(first[2]).decision == "dense"
@@ -373,18 +386,18 @@ def test_graphflow_records_a_residual_then_applies_it(model):
 
 def test_graphflow_computes_a_base_once_per_request(model, dense_and_full):
     hop, n_layers = dense_and_full[0], model.config.n_layers
-    method = GraphFlow(residual_topk=0)
+    method = make_method("graphflow", residual_topk=0)
     first, again = build(method, model, hop), build(method, model, hop)
     assert shared_record(first[2]).computed_pairs == len(SHARED) * n_layers
     assert shared_record(again[2]).details["base"] == "cached"
     assert_same_build(first, again, atol=0)
-    later = make_hop(model, source_kv(model), request_index=1)
+    later = make_hop(model, source_kv(model), session="s1")
     assert shared_record(build(method, model, later)[2]).details["base"] == "computed"
 
 
 def test_graphflow_topk_covering_the_segment_is_dense(model, dense_and_full):
     hop, dense, _ = dense_and_full
-    method = GraphFlow(residual_topk=len(SHARED))
+    method = make_method("graphflow", residual_topk=len(SHARED))
     first = build(method, model, hop)
     method.after_hop(hop, type("B", (), {"cache": first[0]})())
     assert_same_build(build(method, model, hop), dense, atol=1e-4)
@@ -405,7 +418,7 @@ def test_methods_are_registered_with_their_cli_parameters():
     relay = make_method("relaycaching", layers="1:2:3", tau_dev=1.2, tau_inf=1.1).params()
     assert relay["layers"] == [1, 2, 3] and relay["tau_dev"] == 1.2
     assert make_method("graphflow", residual_topk=4).params() == {"residual_topk": 4}
-    with pytest.raises(ValueError, match="--ratio"):
+    with pytest.raises(ValueError, match="method 'graphflow' has no option 'ratio'"):
         make_method("graphflow", ratio=0.5)
 
 
@@ -435,39 +448,45 @@ def test_methods_through_the_runner_on_the_default_model(real_model):
     request = {"query": "Which planet is known as the red planet?"}
     n_layers = real_model.config.n_layers
 
-    def judge_hop(method, index=0):
+    def judge_hop(method):
         runner = Runner(real_model, wf, method)
-        return runner.run(request, index).hops[1]
+        return runner.run(request).hops[1]
 
-    droid = DroidSpeak(block="3:9")
+    droid = make_method("droidspeak", block="3:9")
     hop = judge_hop(droid)
     assert [s["details"]["from_layer"] for s in hop.segments if s.get("slot")] == [3, 3]
     assert hop.recompute_fraction == pytest.approx(6 / n_layers)
+    assert hop.rho == 1.0  # a fixed layer block does not unselect any token
     assert hop.method_state_bytes == droid.memory_bytes() > 0
 
-    relay = judge_hop(RelayCaching())
+    relay = judge_hop(make_method("relaycaching"))
     a, d, e = default_layers(n_layers)
     assert all(s["details"]["from_layer"] == a for s in relay.segments if s.get("slot"))
     assert (d - a) / n_layers < relay.recompute_fraction < (e - a + 1) / n_layers
+    selected = sum(s["details"]["selected"] for s in relay.segments if s.get("slot"))
+    assert relay.rho == pytest.approx(1 - selected / relay.reuse.shared_tokens)
 
-    blend = judge_hop(CacheBlend(ratio=0.15))
+    blend = judge_hop(make_method("cacheblend", ratio=0.15))
     segs = [s for s in blend.segments if s.get("slot")]
     for s in segs:
         n, k = s["length"], s["details"]["selected"]
         assert k == selected_count(0.15, n) and s["computed_pairs"] == n * 2 + k * (n_layers - 2)
     pairs = sum(s["computed_pairs"] for s in segs) / (sum(s["length"] for s in segs) * n_layers)
     assert blend.recompute_fraction == pytest.approx(pairs) and 0 < pairs < 0.5
+    chosen = sum(s["details"]["selected"] for s in segs)
+    assert blend.rho == pytest.approx(1 - chosen / sum(s["length"] for s in segs))
 
     assert judge_hop(FullShared()).recompute_fraction == 0.0
     assert judge_hop(NonShared()).recompute_fraction == 1.0
 
-    graph = GraphFlow(residual_topk=4)
+    graph = make_method("graphflow", residual_topk=4)
     runner = Runner(real_model, wf, graph)
-    first = runner.run(request, 0).hops[1]
-    second = runner.run(request, 1).hops[1]
+    first = runner.run(request).hops[1]
+    second = runner.run(request).hops[1]
     assert [s["decision"] for s in first.segments if s.get("slot")] == ["dense", "dense"]
     assert [s["details"]["residual_tokens"] for s in second.segments if s.get("slot")] == [4, 4]
     assert second.recompute_fraction == 1.0  # the context-free base is a full prefill
+    assert second.rho == 0.0  # ... so none of its tokens came from a source
     assert set(graph.residuals) == {("query", "judge"), ("scout", "judge")}
 
 
@@ -475,7 +494,7 @@ def test_methods_through_the_runner_on_the_default_model(real_model):
 
 
 def test_profile_candidates_and_bands():
-    from kvcmas.bench.profiles import block_candidates, concentrated_band, relay_bands
+    from kvcmas.eval.profiles import block_candidates, concentrated_band, relay_bands
 
     blocks = block_candidates(30)
     widths = [e - s for s, e in blocks]
@@ -491,8 +510,8 @@ def test_profile_candidates_and_bands():
 def test_replay_recorder_keeps_sources_and_hidden_states(model):
     """A recorded dense hop, replayed with FullShared, reuses the frozen source; the recorder
     kept the source hop's hidden state for DroidSpeak-style methods."""
-    from kvcmas.bench.profiles import first_token_kl
-    from kvcmas.bench.replay import Recorder
+    from kvcmas.eval.profiles import first_token_kl
+    from kvcmas.eval.replay import Recorder
 
     rec = Recorder(capture=(1,))
     first = make_hop(model, None, agent="a")
@@ -501,7 +520,7 @@ def test_replay_recorder_keeps_sources_and_hidden_states(model):
     out = rec.build(first, model, cache)
     kv = SegmentKV.from_cache(out.cache, len(PREFIX), len(PREFIX) + len(SHARED), model.inv_freq)
     first.shared["query"].record("a", kv)
-    second = Hop("b", 0, 1, first.segments, first.shared)
+    second = Hop("b", first.session, 1, first.segments, first.shared)
     cache = model.new_cache()
     model.prefill(list(PREFIX), cache)
     rec.build(second, model, cache)
@@ -509,4 +528,4 @@ def test_replay_recorder_keeps_sources_and_hidden_states(model):
     assert rh.has_sources and not rec.hops[0].has_sources
     assert rh.source_hidden["query"][1].shape == (len(SHARED), model.config.hidden_size)
     assert first_token_kl([rh], model, FullShared) < 1e-6  # same prefix: reuse is exact
-    assert first_token_kl([rh], model, lambda: DroidSpeak("1:3")) < 1e-6
+    assert first_token_kl([rh], model, lambda: make_method("droidspeak", block="1:3")) < 1e-6

@@ -13,10 +13,11 @@ TAIL = [20, 21, 22]
 
 
 def two_agents(method, model, query, request=0):
+    session = f"s{request}"
     """Agent A reads the query first (dense), then agent B consumes it from A's cache."""
     shared = shared_query(query)
-    a = run_hop(method, model, "a", PREFIX_A, ["query", TAIL], shared, request, 0)
-    b = run_hop(method, model, "b", PREFIX_B, ["query", TAIL], shared, request, 1)
+    a = run_hop(method, model, "a", PREFIX_A, ["query", TAIL], shared, session, 0)
+    b = run_hop(method, model, "b", PREFIX_B, ["query", TAIL], shared, session, 1)
     return a, b
 
 
@@ -110,7 +111,7 @@ def test_kvcomm_reuses_at_the_first_agent_from_a_reference_prefill(tiny_pair):
     for i in range(2):
         a, _ = two_agents(kc, model, torch.randint(30, 128, (10,)).tolist(), i)
     assert record(a).decision == "reuse" and record(a).details["source"] == "reference"
-    assert kc.params()["rank"] == "full" and not kc.params()["chain"]
+    assert kc.params()["rank"] is None and not kc.params()["chain"]  # None: full width
 
 
 def test_chaining_uses_the_latest_hop_as_source(tiny_pair):

@@ -18,7 +18,7 @@ import torch
 
 from kvcmas.eval.fidelity import kl_divergence
 from kvcmas.eval.replay import RecordedHop, record_hops
-from kvcmas.methods.droidspeak import DroidSpeak
+from kvcmas.methods import make_method
 from kvcmas.methods.fullshared import FullShared
 
 WIDTH_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -45,11 +45,11 @@ def first_token_kl(hops: list[RecordedHop], model, method_factory: Callable[[], 
     kls = []
     for rh in hops:
         method = method_factory()
-        store = getattr(method, "hidden_store", None)
-        if store is not None:
+        if method.needs_hidden_states:
             for slot, states in rh.source_hidden.items():
+                tokens = rh.hop.shared[slot].tokens
                 for layer, hidden in states.items():
-                    store.put(rh.hop.request_index, slot, layer, hidden)
+                    method.hidden_store.put(rh.hop.session, tokens, layer, hidden)
         out = rh.replay(method, model)
         kls.append(float(kl_divergence(rh.last_logits[None], out.last_logits[None])[0]))
     return sum(kls) / len(kls)
@@ -80,7 +80,9 @@ def profile_droidspeak_block(
     for width in sorted({e - s for s, e in candidates}):
         row = []
         for s, e in (c for c in candidates if c[1] - c[0] == width):
-            kl = first_token_kl(hops, model, lambda b=(s, e): DroidSpeak(block=b))
+            kl = first_token_kl(
+                hops, model, lambda b=f"{s}:{e}": make_method("droidspeak", block=b)
+            )
             row.append({"block": [s, e], "first_token_kl": kl})
         tried += row
         best = min(row, key=lambda r: r["first_token_kl"])

@@ -53,10 +53,12 @@ class Recorder(Method):
     name = "recorder"
 
     def __init__(self, reuse: bool = False, capture: tuple[int, ...] = ()):
+        super().__init__()
         self.reuse = reuse
         self.capture = tuple(sorted(set(capture)))
         self.hops: list[RecordedHop] = []
-        self._hidden: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+        # (session, segment tokens, computing agent) -> layer -> hidden input of that layer
+        self._hidden: dict[tuple[str, tuple[int, ...], str], dict[int, torch.Tensor]] = {}
 
     def build(self, hop, model, cache):
         frozen = {k: copy.copy(v) for k, v in hop.shared.items()}
@@ -64,11 +66,11 @@ class Recorder(Method):
             slot: self._hidden[key]
             for slot, s in frozen.items()
             if s.latest is not None
-            and (key := (hop.request_index, slot, s.latest_agent)) in self._hidden
+            and (key := (hop.session, s.tokens, s.latest_agent)) in self._hidden
         }
         prefix = cache.clone()
         out = super().build(hop, model, cache)
-        record = Hop(hop.agent, hop.request_index, hop.step, hop.segments, frozen)
+        record = Hop(hop.agent, hop.session, hop.step, hop.segments, frozen)
         self.hops.append(
             RecordedHop(record, prefix, out.cache.clone(), out.last_logits, out.records, sources)
         )
@@ -86,14 +88,14 @@ class Recorder(Method):
             capture=self.capture,
         )
         if self.capture:
-            self._hidden[(hop.request_index, seg.slot, hop.agent)] = out.captured
+            self._hidden[(hop.session, seg.tokens, hop.agent)] = out.captured
         return SegmentRecord(seg.slot, shared.kind, start, n, "dense", n * model.config.n_layers)
 
     def decode_capture_layers(self) -> tuple[int, ...]:
         return self.capture
 
-    def after_decode(self, hop, captured: dict[int, torch.Tensor]) -> None:
-        self._hidden[(hop.request_index, hop.agent, hop.agent)] = captured
+    def after_decode(self, hop, tokens, captured: dict[int, torch.Tensor]) -> None:
+        self._hidden[(hop.session, tuple(tokens), hop.agent)] = captured
 
 
 def record_hops(
@@ -110,7 +112,7 @@ def record_hops(
     recorder = Recorder(reuse=reuse, capture=capture)
     runner = Runner(loaded, workflow, recorder)
     for i, request in enumerate(requests):
-        runner.run(request, i)
+        runner.run(request)
         if progress:
             progress(f"recorded request {i + 1}: {len(recorder.hops)} hops so far")
     return recorder.hops

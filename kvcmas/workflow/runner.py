@@ -239,7 +239,7 @@ class Runner:
 
     def run_stream(self, requests: Iterable[dict], progress=None) -> Iterator[RequestResult]:
         for i, request in enumerate(requests):
-            result = self.run(request)
+            result = self.run({"id": str(i), **request})  # a display id, never a state key
             if progress:
                 progress(i, result)
             yield result
