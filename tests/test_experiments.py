@@ -231,21 +231,6 @@ def synthetic_setup(**sizes):
     }
 
 
-def speed(ttft: float, reuse: float = 0.0) -> dict:
-    return {
-        "requests": 1,
-        "hops": 4,
-        "ttft_nonfirst_mean_s": ttft,
-        "ttft_first_mean_s": 1.0,
-        "reuse_ratio_tokens": reuse,
-        "prompt_tokens_nonfirst_mean": 300.0,
-        "output_tokens": {"min": 128, "max": 128, "mean": 128.0},
-        "peak_state_bytes": 2**20,
-        "method_state_bytes": 0,
-        "peak_rss_bytes": 2**29,
-    }
-
-
 def test_context_sweep_table_and_plots(tmp_path, monkeypatch):
     """Summaries from eval.summary: KVCMAS faster to first token but slower end to end here,
     and the table shows both, with rho beside the recompute fraction."""
@@ -277,10 +262,10 @@ def test_context_sweep_table_and_plots(tmp_path, monkeypatch):
     md = sweep_report.markdown(results)
     # TTFT all / 2+, its ratio, latency (ratio), compute (ratio), rho all / 2+, recompute.
     assert (
-        "| 1024 | kvcmas | 0.700 / 0.600 | 0.70 / 0.60 | 12.00 (1.20) | 15.0 (0.75) "
+        "| 1024 | kvcmas | 0.700 / 0.600 | 0.70 / 0.60 | 12.000 (1.20) | 15.0 (0.75) "
         "| 0.60 / 0.80 | 0.40 / 0.20 | 300 | 128 |"
     ) in md
-    assert "| 512 | nonshared | 1.000 / 1.000 | 1.00 / 1.00 | 10.00 (1.00) | 20.0 (1.00) " in md
+    assert "| 512 | nonshared | 1.000 / 1.000 | 1.00 / 1.00 | 10.000 (1.00) | 20.0 (1.00) " in md
     assert "capped to 7500" in md and "Model m (fp32)" in md
     failed_row = next(line for line in md.splitlines() if "| kvcomm |" in line)
     assert "failed: OOM: killed" in failed_row

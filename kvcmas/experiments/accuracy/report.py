@@ -4,11 +4,12 @@ then fidelity where it was measured."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments.accuracy.plan import TITLES
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, reuse_cells
+from kvcmas.experiments.common import write_results
 from kvcmas.experiments.compare import fmt, pair
 
 
@@ -85,18 +86,13 @@ def efficiency_table(report: dict[str, Any], tasks: list[str]) -> list[str]:
         "while the run lasted (model weights included; the noise-floor row also holds the fp32 "
         "model). Unparsed: final answers without a readable answer.",
         "",
-        "| method | benchmark | rho | recompute | TTFT s | TTFT / NonShared | latency s (/NS) "
-        "| compute s (/NS) | peak state MiB | peak RSS MiB | state KiB | new tokens / item "
-        "| s / item | unparsed | same text |",
+        f"| method | benchmark | rho | recompute | {COST_HEADER} | peak state MiB | peak RSS MiB "
+        "| state KiB | new tokens / item | s / item | unparsed | same text |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, t, m in _rows(report, tasks):
         lines.append(
-            f"| {label} | {_title(t)} | {pair(m, 'rho_{}', '.2f')}"
-            f" | {pair(m, 'recompute_{}', '.2f')} | {pair(m, 'ttft_{}_mean_s')}"
-            f" | {fmt(m.get('ttft_all_ratio'), '.2f')} / {fmt(m.get('ttft_later_ratio'), '.2f')}"
-            f" | {fmt(m.get('latency_request_mean_s'))} ({fmt(m.get('latency_ratio'), '.2f')})"
-            f" | {fmt(m.get('compute_s'), '.1f')} ({fmt(m.get('compute_ratio'), '.2f')})"
+            f"| {label} | {_title(t)} | {reuse_cells(m)} | {cost_cells(m)}"
             f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['peak_rss_bytes'] / 2**20:.0f}"
             f" | {m['method_state_bytes'] / 1024:.0f} | {m['new_tokens_per_item']:.0f}"
             f" | {m['s_per_item']:.1f} | {fmt(m['unparsed_rate'], '.2f')}"
@@ -164,7 +160,5 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    (out / "table.md").write_text(markdown_table(report))
+    write_results(out, report, markdown_table(report))
     plot_accuracy(report, out / "accuracy.png")

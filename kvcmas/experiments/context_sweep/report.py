@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments import common
-from kvcmas.experiments.compare import fmt, pair
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, reuse_cells
+from kvcmas.experiments.compare import fmt
 from kvcmas.experiments.plots import line_panels
 
 COLUMNS = (
-    "| N | method | TTFT s | TTFT / NS | latency s (/NS) | compute s (/NS) | rho | recompute "
-    "| prompt tokens 2+ | output tokens | peak state MiB | method state MiB | peak RSS MiB |"
+    f"| N | method | {COST_HEADER} | rho | recompute | prompt tokens 2+ | output tokens "
+    "| peak state MiB | method state MiB | peak RSS MiB |"
 )
 
 
@@ -45,11 +46,7 @@ def _row(r: dict[str, Any]) -> str:
         why = r["error"].strip().splitlines()[-1] if r.get("error") else "no result"
         return f"| {r['size']} | {r['method']} | failed: {why} |" + " |" * 10
     return (
-        f"| {r['size']} | {r['method']} | {pair(m, 'ttft_{}_mean_s')}"
-        f" | {fmt(m.get('ttft_all_ratio'), '.2f')} / {fmt(m.get('ttft_later_ratio'), '.2f')}"
-        f" | {fmt(m['latency_request_mean_s'], '.2f')} ({fmt(m.get('latency_ratio'), '.2f')})"
-        f" | {fmt(m['compute_s'], '.1f')} ({fmt(m.get('compute_ratio'), '.2f')})"
-        f" | {pair(m, 'rho_{}', '.2f')} | {pair(m, 'recompute_{}', '.2f')}"
+        f"| {r['size']} | {r['method']} | {cost_cells(m)} | {reuse_cells(m)}"
         f" | {fmt(m['prompt_tokens_later_mean'], '.0f')} | {fmt(m['output_tokens_mean'], '.0f')}"
         f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['method_state_bytes'] / 2**20:.1f}"
         f" | {m['peak_rss_bytes'] / 2**20:.0f} |"
