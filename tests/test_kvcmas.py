@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from kvcmas.methods import make_method
+from kvcmas.methods.base import Hop, SharedSegment, standalone_prefill
 from kvcmas.methods.nonshared import NonShared
 from tests.hops import run_hop, shared_query
 
@@ -122,3 +126,102 @@ def test_chaining_uses_the_latest_hop_as_source(tiny_pair):
     run_hop(kv, model, "b", PREFIX_B, ["query", TAIL], shared)
     c = run_hop(kv, model, "c", [1, 2, 3], ["query", TAIL], shared)
     assert record(c).details["source"] == "b" and shared["query"].latest_agent == "c"
+
+
+def test_reference_prefills_are_keyed_by_content_and_session(tiny_pair):
+    """Round 1 keyed KVCOMM's reference prefill by (request index, slot): a library caller
+    whose requests all had index 0 got the previous request's reference. Now a reference is
+    keyed by the segment's tokens within one session, and never outlives the session."""
+    _, model = tiny_pair
+    kc = make_method("kvcomm")
+    first, second = (5, 6, 7, 8, 9), (9, 8, 7, 6, 5, 4)
+
+    def source(session, tokens):
+        hop = Hop("b", session, 1, [], {})
+        return kc.source(hop, SharedSegment("query", "query", tokens), model)[0]
+
+    a = source("s", first)
+    b = source("s", second)  # same session and slot, new content: a new reference
+    expected = standalone_prefill(model, second)
+    torch.testing.assert_close(b.k, expected.k)
+    torch.testing.assert_close(b.v, expected.v)
+    assert source("s", first) is a  # same content in the same session: computed once
+    assert source("t", first) is not a  # another session recomputes: nothing leaks
+
+
+def test_hidden_states_are_keyed_by_content_and_session():
+    from kvcmas.methods.selective import HiddenStore
+
+    store = HiddenStore()
+    hidden = torch.ones(3, 4)
+    store.put("s", (1, 2, 3), 5, hidden)
+    assert store.get("s", (1, 2, 3), 5) is hidden
+    assert store.get("s", (1, 2, 4), 5) is None  # other content
+    assert store.get("t", (1, 2, 3), 5) is None  # other session
+    with pytest.raises(ValueError, match="3 rows for 2 tokens"):
+        store.put("s", (1, 2), 5, hidden)
+
+
+def test_gate_at_intermediate_tau_reuses_exactly_below_the_entropy(tiny_pair):
+    """Same pool state, tau just above and just below the match's entropy: reuse vs dense."""
+    _, model = tiny_pair
+    warm = make_method("kvcmas", tau=0.0, min_anchors=2)  # tau 0: every hop records
+    for i in range(3):
+        two_agents(warm, model, torch.randint(30, 128, (10,)).tolist(), i)
+    query = torch.randint(30, 128, (10,)).tolist()
+    probe = copy.deepcopy(warm)
+    probe.tau = 2.0
+    _, b = two_agents(probe, model, query, 9)
+    entropy = record(b).entropy
+    assert 0.0 < entropy < 1.0
+    decisions = {}
+    for tau in (entropy + 1e-6, entropy - 1e-6):
+        method = copy.deepcopy(warm)
+        method.tau = tau
+        _, b = two_agents(method, model, query, 9)
+        assert record(b).entropy == pytest.approx(entropy, abs=1e-9)
+        decisions[tau > entropy] = record(b).decision
+    assert decisions == {True: "reuse", False: "dense"}
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+def test_background_modes_build_the_same_caches_as_idle(tiny_pair, mode):
+    """Where anchors are factorized (idle time, a worker thread, inline) changes no result."""
+    _, model = tiny_pair
+    queries = [torch.randint(30, 128, (9 + i,)).tolist() for i in range(5)]
+    outs = []
+    for background in ("idle", mode):
+        kv = make_method(
+            "kvcmas", tau=0.99, min_anchors=2, rank=3, base_rank=3, background=background
+        )
+        outs.append([two_agents(kv, model, q, i)[1] for i, q in enumerate(queries)])
+        assert kv.background.pending() == 0
+    assert [record(b).decision for b in outs[0]] == [record(b).decision for b in outs[1]]
+    for x, y in zip(*outs, strict=True):
+        assert torch.equal(x.cache.k[:, :, : x.cache.length], y.cache.k[:, :, : y.cache.length])
+
+
+def test_background_work_waits_only_for_the_pool_it_reads():
+    from kvcmas.methods.background import BackgroundWork
+
+    work = BackgroundWork("idle")
+    done = []
+    work.submit(("query", "b"), lambda: done.append("qb1"))
+    work.submit(("query", "c"), lambda: done.append("qc"))
+    work.submit(("query", "b"), lambda: done.append("qb2"))
+    assert done == [] and work.pending() == 3  # nothing ran on the critical path yet
+    work.wait_for(("query", "b"))
+    assert done == ["qb1", "qb2"] and work.pending(("query", "c")) == 1
+    work.flush()
+    assert done == ["qb1", "qb2", "qc"] and work.pending() == 0
+
+
+def test_background_thread_reports_a_failed_job():
+    from kvcmas.methods.background import BackgroundWork
+
+    work = BackgroundWork("thread")
+    work.submit("pool", lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="background anchor construction failed"):
+        work.flush()
+    with pytest.raises(ValueError, match="background mode"):
+        BackgroundWork("later")

@@ -21,7 +21,8 @@ from kvcmas.methods.fullshared import FullShared
 from kvcmas.methods.nonshared import NonShared
 from kvcmas.model.generate import greedy_decode, stop_ids
 from kvcmas.workflow.runner import Runner, read_requests
-from kvcmas.workflow.spec import AgentSpec, Workflow, WorkflowError
+from kvcmas.errors import WorkflowError
+from kvcmas.workflow.spec import AgentSpec, Workflow
 
 QUESTION = "A farmer has 17 sheep and all but 9 run away. How many sheep does he have left?"
 BUDGET = 4
@@ -73,6 +74,7 @@ class SpyNonShared(NonShared):
     """NonShared that keeps every hop it was asked to build."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.hops = []
 
     def build(self, hop, model, cache):
@@ -82,6 +84,7 @@ class SpyNonShared(NonShared):
 
 class SpyFullShared(FullShared):
     def __init__(self) -> None:
+        super().__init__()
         self.hops = []
 
     def build(self, hop, model, cache):

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcmas.workflow.builtin import BUILTIN_WORKFLOWS, chain4, roster
+from kvcmas.errors import WorkflowError
+from kvcmas.workflow.builtin import BUILTIN_WORKFLOWS, chain4, load_workflow, roster
 from kvcmas.workflow.spec import (
     DEFAULT_MAX_NEW_TOKENS,
     AgentSpec,
     Workflow,
-    WorkflowError,
-    load_workflow,
     workflow_from_dict,
 )
 

@@ -41,7 +41,7 @@ from kvcmas.eval.scoring import (
     score_gsm8k,
     score_mmlu,
 )
-from kvcmas.workflow import spec
+from kvcmas.workflow import builtin
 from kvcmas.workflow.builtin import roster
 from kvcmas.workflow.spec import Workflow
 
@@ -203,7 +203,7 @@ def load_workflow(name_or_path: str) -> Workflow:
     rosters = {f"{t}-roster": t for t in TASKS}
     if name_or_path in rosters:
         return task_workflow(rosters[name_or_path])
-    return spec.load_workflow(name_or_path, also_known=tuple(rosters))
+    return builtin.load_workflow(name_or_path, also_known=tuple(rosters))
 
 
 @cache

@@ -35,6 +35,14 @@ class BackgroundWork:
         self._error: BaseException | None = None
         self._worker: threading.Thread | None = None
 
+    def __deepcopy__(self, memo: dict) -> BackgroundWork:
+        """A copy of a method (to replay one state two ways) gets an idle queue of its own."""
+        if self.pending():
+            raise RuntimeError("flush() before copying: background jobs are pending")
+        copy = BackgroundWork(self.mode)
+        copy.seconds = self.seconds
+        return copy
+
     def submit(self, key: Hashable, job: Callable[[], None]) -> None:
         if self.mode == "inline":
             self._run(job)

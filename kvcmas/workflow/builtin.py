@@ -1,8 +1,14 @@
-"""Built-in workflows. Slots start a line so that per-segment tokenization equals joint."""
+"""Built-in workflows, and loading a workflow by built-in name or from a YAML / JSON file.
+
+Slots start a line in the built-ins so that per-segment tokenization equals joint."""
 
 from __future__ import annotations
 
-from kvcmas.workflow.spec import AgentSpec, Workflow
+import json
+from pathlib import Path
+
+from kvcmas.errors import WorkflowError
+from kvcmas.workflow.spec import AgentSpec, Workflow, workflow_from_dict
 
 
 def roster(
@@ -88,3 +94,31 @@ def chain4() -> Workflow:
 
 
 BUILTIN_WORKFLOWS = {"roster": roster, "chain4": chain4}
+
+
+def load_workflow(name_or_path: str, also_known: tuple[str, ...] = ()) -> Workflow:
+    """A built-in workflow by name, or a YAML / JSON file. ``also_known`` names built-ins of
+    higher layers (the task rosters of :mod:`kvcmas.eval.tasks`) for the error message."""
+    if name_or_path in BUILTIN_WORKFLOWS:
+        return BUILTIN_WORKFLOWS[name_or_path]()
+    path = Path(name_or_path)
+    if not path.exists():
+        known = ", ".join(sorted([*BUILTIN_WORKFLOWS, *also_known]))
+        raise WorkflowError(
+            f"no built-in workflow or file named {name_or_path!r} (built-in: {known})"
+        )
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkflowError(f"{path}: not valid JSON: {e}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            detail = " ".join(str(e).split())  # one line: the CLI prints errors as one line
+            raise WorkflowError(f"{path}: not valid YAML: {detail}") from None
+    return workflow_from_dict(data, source=str(path))

@@ -8,10 +8,8 @@ the DAG; execution follows a topological order that keeps the file's order where
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvcmas.chat import slot_names
 from kvcmas.errors import WorkflowError
@@ -173,33 +171,3 @@ def workflow_from_dict(data: dict, source: str = "workflow") -> Workflow:
     return Workflow(
         name=str(data.get("name", source)), agents=tuple(agents), final=str(data["final"])
     )
-
-
-def load_workflow(name_or_path: str, also_known: tuple[str, ...] = ()) -> Workflow:
-    """A built-in workflow by name, or a YAML / JSON file. ``also_known`` names built-ins of
-    higher layers (the task rosters of :mod:`kvcmas.eval.tasks`) for the error message."""
-    from kvcmas.workflow.builtin import BUILTIN_WORKFLOWS
-
-    if name_or_path in BUILTIN_WORKFLOWS:
-        return BUILTIN_WORKFLOWS[name_or_path]()
-    path = Path(name_or_path)
-    if not path.exists():
-        known = ", ".join(sorted([*BUILTIN_WORKFLOWS, *also_known]))
-        raise WorkflowError(
-            f"no built-in workflow or file named {name_or_path!r} (built-in: {known})"
-        )
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise WorkflowError(f"{path}: not valid JSON: {e}") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            detail = " ".join(str(e).split())  # one line: the CLI prints errors as one line
-            raise WorkflowError(f"{path}: not valid YAML: {detail}") from None
-    return workflow_from_dict(data, source=str(path))
