@@ -1,0 +1,84 @@
+"""The per-request protocol: ``kv_transfer_params={"kvcmas": {...}}`` on a vLLM request.
+
+Checked twice: in the HTTP server (a malformed request gets 400 naming the field) and again in
+the engine's scheduler, which never raises on it (an exception there would stop the engine) but
+serves such a request as plain vLLM. No vllm import here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvcmas.errors import KvcmasError
+
+# Test-only knobs are refused unless the server was started with this variable set to 1.
+TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
+
+
+class KvcmasParamsError(KvcmasError, ValueError):
+    """Malformed ``kvcmas`` request parameters; the message names the field."""
+
+
+@dataclass(frozen=True)
+class KvcmasParams:
+    session: str  # sources are shared only within one session
+    agent: str  # who produced the request's prompt and output
+    namespace: str | None = None  # tenant; reserved for anchor pools in the full connector
+    test_noise_std: float = 0.0  # test hook: noise added to injected KV, proving it is read
+
+
+_FIELDS = {"session": str, "agent": str, "namespace": str}
+
+
+def test_hooks_enabled() -> bool:
+    return os.environ.get(TEST_HOOKS_ENV) == "1"
+
+
+def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
+    """The request's kvcmas parameters, or None for a plain vLLM request."""
+    if kv_transfer_params is None:
+        return None
+    if not isinstance(kv_transfer_params, dict):
+        raise KvcmasParamsError(
+            f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}"
+        )
+    raw = kv_transfer_params.get("kvcmas")
+    if raw is None:
+        return None  # other connectors' keys are not ours to judge
+    if not isinstance(raw, dict):
+        raise KvcmasParamsError(
+            f"kv_transfer_params.kvcmas must be an object, got {type(raw).__name__}"
+        )
+    allowed = set(_FIELDS) | ({"test_noise_std"} if test_hooks_enabled() else set())
+    for key in raw:
+        if key not in allowed:
+            raise KvcmasParamsError(
+                f"kv_transfer_params.kvcmas.{key}: unknown field "
+                f"(allowed: {', '.join(sorted(allowed))})"
+            )
+    values: dict[str, Any] = {}
+    for key, kind in _FIELDS.items():
+        if key not in raw or (key == "namespace" and raw[key] is None):
+            if key != "namespace":
+                raise KvcmasParamsError(f"kv_transfer_params.kvcmas.{key} is required")
+            continue
+        value = raw[key]
+        if not isinstance(value, kind) or not value:
+            raise KvcmasParamsError(
+                f"kv_transfer_params.kvcmas.{key} must be a non-empty string, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        values[key] = value
+    if "test_noise_std" in raw:
+        noise = raw["test_noise_std"]
+        if isinstance(noise, bool) or not isinstance(noise, int | float) or not (
+            math.isfinite(noise) and noise >= 0
+        ):
+            raise KvcmasParamsError(
+                f"kv_transfer_params.kvcmas.test_noise_std must be a number >= 0, got {noise!r}"
+            )
+        values["test_noise_std"] = float(noise)
+    return KvcmasParams(**values)

