@@ -12,6 +12,7 @@ from kvcmas.methods.config import MethodConfig
 from kvcmas.methods.droidspeak import DroidSpeak
 from kvcmas.methods.fullshared import FullShared
 from kvcmas.methods.graphflow import GraphFlow
+from kvcmas.methods.headrecompute import HeadRecompute
 from kvcmas.methods.kvcmas import KVCMAS, KVCOMM
 from kvcmas.methods.nonshared import NonShared
 from kvcmas.methods.relaycaching import RelayCaching
@@ -27,6 +28,7 @@ METHODS: dict[str, type[Method]] = {
         DroidSpeak,
         RelayCaching,
         GraphFlow,
+        HeadRecompute,
     )
 }
 

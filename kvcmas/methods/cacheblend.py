@@ -26,20 +26,18 @@ Interpretation at the ends of the ``ratio`` range:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from kvcmas.methods.base import Method, SegmentRecord, dense_shared
 from kvcmas.methods.config import MethodConfig, option, require
-from kvcmas.methods.selective import place_source, recompute_record, segment_rows
+from kvcmas.methods.repair import check_layer_fits, fraction_count, repair_span
+from kvcmas.methods.selective import place_source, recompute_record
 
 
 def selected_count(ratio: float, n: int) -> int:
     """Tokens CacheBlend recomputes: ``ceil(ratio * n)`` (0 only for ratio 0)."""
-    return min(n, math.ceil(ratio * n - 1e-9))
+    return fraction_count(ratio, n)
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,9 @@ class CacheBlendConfig(MethodConfig):
 
 
 class CacheBlend(Method):
+    """Steps 2-4 of the module docstring are :func:`kvcmas.methods.repair.repair_span` with
+    no head and ``ceil(ratio * n)`` tokens chosen by deviation."""
+
     name = "cacheblend"
     Config = CacheBlendConfig
 
@@ -67,33 +68,13 @@ class CacheBlend(Method):
         if shared.latest is None:
             return dense_shared(seg, shared, model, cache)
         n_layers, c = model.config.n_layers, self.config.check_layer
-        if c >= n_layers:
-            raise ValueError(f"check_layer {c} is not below the model's {n_layers} layers")
+        check_layer_fits(c, n_layers)
         start = place_source(seg, shared, model, cache)
         n = len(seg)
         k = selected_count(self.config.ratio, n)
-        details = {"selected": k, "check_layer": c}
-        if k == 0:
-            return recompute_record(seg, shared, start, 0, n_layers, n, **details)
-        rows = segment_rows(start, n)
-        reused = self._checked(cache, c, start, n).clone()
-        out = model.forward(
-            torch.tensor(seg.tokens), rows, cache, layers=range(c + 1), logits_rows=None
-        )
-        score = (self._checked(cache, c, start, n).float() - reused.float()).pow(2).sum((0, 2))
-        chosen = torch.topk(score, k).indices.sort().values
-        if c + 1 < n_layers:
-            model.forward(
-                None,
-                rows[chosen],
-                cache,
-                layers=range(c + 1, n_layers),
-                hidden=out.hidden[chosen],
-                logits_rows=None,
-            )
-        pairs = n * (c + 1) + k * (n_layers - c - 1)
-        return recompute_record(seg, shared, start, pairs, n_layers, n - k, **details)
-
-    def _checked(self, cache, layer: int, start: int, n: int) -> torch.Tensor:
-        store = cache.v if self.config.select_by == "value" else cache.k
-        return store[layer, :, start : start + n]
+        repair = repair_span(
+            model, cache, seg.tokens, start, extra=k, check_layer=c,
+            score_on=self.config.select_by,
+        )  # fmt: skip
+        details = {"selected": repair.count, "check_layer": c}
+        return recompute_record(seg, shared, start, repair.pairs, n_layers, n - k, **details)

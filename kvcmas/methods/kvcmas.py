@@ -30,12 +30,14 @@ from kvcmas.methods.base import (
     standalone_prefill,
 )
 from kvcmas.methods.config import MethodConfig, option, require
+from kvcmas.methods.repair import SELECTIONS, fraction_count, question_tokens, repair_span
 
 # Calibrated with `kvcmas bench calibrate` (roster workflow, MMLU validation questions,
 # SmolLM2-135M fp32; README "Calibrated defaults"): at T = 0.2 the gate's entropy separates
 # helpful corrections from harmless ones. These two constants are the only defaults.
 DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TAU = 0.995
+DEFAULT_REPAIR_SELECT = "deviation"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class KVCMASConfig(MethodConfig):
     full_cover_only: bool = option(False, "match only anchors at least as long as the span")
     seed: int = option(0, "seed of the randomized SVD")
     background: str = option("idle", "anchor construction: idle, thread or inline")
+    # Graded repair (METHOD.md 4.6): off at repair_max 0, which is section 4's KVCMAS exactly.
+    repair_max: float = option(0.0, "graded repair: largest fraction of a reused span recomputed")
+    repair_head: int = option(16, "graded repair: first tokens of a span always recomputed")
+    repair_from: float = option(0.0, "graded repair: gate entropy where the budget starts to grow")
+    repair_select: str = option(
+        DEFAULT_REPAIR_SELECT, "graded repair: score tokens by 'deviation' or 'attention'"
+    )
+    repair_check_layer: int = option(1, "graded repair: layer where tokens are scored")
 
     def check(self) -> None:
         m = self.method
@@ -64,6 +74,25 @@ class KVCMASConfig(MethodConfig):
             require(value is None or value >= 0, m, f"{name} must be >= 0 (0 = full)")
         require(self.eviction in ("least-used", "kvcomm"), m, "eviction: least-used or kvcomm")
         require(self.background in MODES, m, f"background must be one of {', '.join(MODES)}")
+        require(0.0 <= self.repair_max <= 1.0, m, "repair_max must be in [0, 1]")
+        require(self.repair_head >= 0, m, "repair_head must be >= 0")
+        require(self.repair_check_layer >= 0, m, "repair_check_layer must be >= 0")
+        choices = ", ".join(SELECTIONS)
+        require(self.repair_select in SELECTIONS, m, f"repair_select must be one of {choices}")
+        require(
+            self.repair_from >= 0 and (self.repair_max == 0 or self.repair_from < self.tau),
+            m,
+            "repair_from must be >= 0 and below tau",
+        )
+
+    def repair_budget(self, entropy: float) -> float:
+        """The fraction of a reused span to repair at gate entropy ``entropy``: 0 up to
+        ``repair_from`` (a confident match), then growing linearly to ``repair_max`` at tau
+        (beyond tau the gate prefills densely)."""
+        if self.repair_max == 0 or entropy <= self.repair_from:
+            return 0.0
+        grade = (entropy - self.repair_from) / (self.tau - self.repair_from)
+        return self.repair_max * min(1.0, grade)
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(
@@ -158,6 +187,7 @@ class KVCMAS(Method):
                 top_weight=round(float(match.span_weights.max()), 4),
             )
             rec.entropy = match.entropy
+            self._repair(hop, seg, model, cache, rec)
             return rec
         entropy = None if match is None else match.entropy
         rec = dense_shared(seg, shared, model, cache, entropy)
@@ -165,6 +195,34 @@ class KVCMAS(Method):
         dense = SegmentKV.from_cache(cache, rec.start, rec.start + rec.length, model.inv_freq)
         self._pending.append((key, xk, xv, dense))
         return rec
+
+    def _repair(self, hop, seg, model, cache, rec: SegmentRecord) -> None:
+        """Graded repair of a corrected span just placed: a budget from the gate's entropy,
+        then the span's head and top tokens recomputed exactly (METHOD.md 4.6)."""
+        c = self.kvcmas_config()
+        budget = c.repair_budget(rec.entropy)
+        if budget == 0:
+            return
+        n, n_layers = rec.length, model.config.n_layers
+        repair = repair_span(
+            model,
+            cache,
+            seg.tokens,
+            rec.start,
+            head=c.repair_head,
+            extra=fraction_count(budget, n),
+            select=c.repair_select,
+            check_layer=c.repair_check_layer,
+            question=question_tokens(hop),
+        )
+        rec.computed_pairs = repair.pairs
+        rec.served_tokens = n - repair.count
+        rec.decision = "dense" if repair.pairs >= n * n_layers else "partial"
+        if rec.decision == "dense":
+            rec.served_tokens = 0
+        rec.details.update(
+            repair_budget=round(budget, 6), selected=repair.count, probe_tokens=repair.probe_tokens
+        )
 
     def after_hop(self, hop, build) -> None:
         """Queue the anchors of this hop's dense fallbacks: factorized off the critical path."""
