@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.kv.lowrank import energy_rank, factorize
+from kvcmas.methods.anchors import AnchorPool, PoolConfig
 
 
 def low_rank_plus_noise(layers=3, n=40, d=48, rank=5, noise=1e-3, seed=0):
@@ -38,7 +38,13 @@ def test_energy_rank_finds_planted_rank():
 
 def make_pool(capacity=3, eviction="least-used", **kw):
     return AnchorPool(
-        PoolConfig(**{"temperature": 0.05, **kw}, capacity=capacity, delta_rank=4, base_rank=4, eviction=eviction)
+        PoolConfig(
+            **{"temperature": 0.05, **kw},
+            capacity=capacity,
+            delta_rank=4,
+            base_rank=4,
+            eviction=eviction,
+        )
     )
 
 

@@ -1,62 +1,55 @@
-"""The comparison table renders with and without per-hop fidelity figures."""
+"""The comparison table: every figure comes from the one run summary, TTFT sits beside
+latency and compute, and each figure is given for all hops and for hops 2+."""
 
 from __future__ import annotations
 
-from kvcmas.bench.compare import markdown_table
+import pytest
+
+from kvcmas.eval.summary import add_ratios, run_summary
+from kvcmas.experiments.compare import markdown_table
+from tests.fake_runs import fake_run
+
+SETUP = {"workflow": "roster", "requests": 2, "model": "m", "dtype": "fp32",
+         "reference_dtype": "none (timing run)", "machine": "x"}  # fmt: skip
 
 
-def report(with_fidelity: bool) -> dict:
-    m = {
-        "reuse_ratio_tokens": 0.5,
-        "reuse_ratio_calls": 0.6,
-        "recompute_fraction_mean": 0.2,
-        "ttft_nonfirst_mean_s": 0.25,
-        "ttft_ratio_vs_nonshared": 0.5,
-        "peak_state_bytes": 2**20,
-        "method_state_bytes": 2048,
-        "final_agreement": 0.75,
+def report() -> dict:
+    summaries = {
+        "nonshared": run_summary(fake_run(1.0, latency=10.0, cpu=20.0, served=0, requests=2)),
+        # Faster to the first token on hops 2+, slower end to end: the table must show both.
+        "kvcmas": run_summary(fake_run(0.5, latency=12.0, cpu=26.0, served=80, requests=2)),
     }
-    if with_fidelity:
-        m.update(
-            {
-                "kv_error_mean": 0.1,
-                "kv_error_reused_segments_mean": 0.12,
-                "first_token_kl_mean": 0.02,
-                "first_token_kl_median": 0.01,
-                "continuation_kl_mean": 0.03,
-                "same_hop_output_rate": 0.5,
-                "by_slot_kind": {
-                    "query": {
-                        "segments": 3,
-                        "reused": 2,
-                        "error_reused_mean": 0.1,
-                        "error_all_mean": 0.05,
-                    }
-                },
-                "by_segment_length": {"0-31": {"reused": 2, "error_reused_mean": 0.1}},
-            }
-        )
-    setup = {
-        "workflow": "roster",
-        "requests": 4,
-        "model": "m",
-        "dtype": "fp32",
-        "reference_dtype": "fp32",
-        "machine": "x",
-        "torch_threads": 2,
-    }
-    return {"setup": setup, "summary": {"kvcmas": m}}
+    add_ratios(summaries)
+    return {"setup": SETUP, "summary": summaries}
 
 
-def test_timing_only_table_leaves_fidelity_cells_empty():
-    row = next(
-        line for line in markdown_table(report(False)).splitlines() if line.startswith("| kvcmas")
-    )
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[4] == "-" and cells[10] == "0.250" and cells[11] == "0.50"
+def row(table: str, label: str) -> list[str]:
+    line = next(x for x in table.splitlines() if x.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_full_table_has_kind_and_length_rows():
-    table = markdown_table(report(True))
-    assert "| kvcmas | query | 3 | 2 | 0.1000 | 0.0500 |" in table
-    assert "0.1000 (n=2)" in table
+def test_row_gives_all_hops_and_hops_two_plus_with_costs_beside_ttft():
+    table = markdown_table(report())
+    header = row(table, "method")
+    cells = dict(zip(header, row(table, "kvcmas"), strict=True))
+    # 4 hops per request: hop 1 dense (100 tokens), hops 2-4 serve 80 of 100 each.
+    assert cells["rho"] == f"{240 / 400:.2f} / 0.80"
+    assert cells["recompute"] == f"{(400 + 3 * 80) / 1600:.2f} / 0.20"
+    assert cells["TTFT s"] == f"{(1 + 3 * 0.5) / 4:.3f} / 0.500"
+    assert cells["TTFT / NS"] == f"{(1 + 1.5) / 4:.2f} / 0.50"
+    assert cells["latency s (/NS)"] == "12.000 (1.20)"  # slower end to end, shown beside
+    assert cells["compute s (/NS)"] == "52.0 (1.30)"
+    assert cells["KV err"] == "- / -"  # a timing run has no fidelity figures
+
+
+def test_nonshared_row_is_its_own_baseline():
+    cells = row(markdown_table(report()), "nonshared")
+    assert cells[1] == "0.00 / 0.00" and cells[2] == "1.00 / 1.00"
+    assert "1.00 / 1.00" in cells and "10.000 (1.00)" in cells
+
+
+def test_ratio_needs_the_baseline():
+    summaries = {"kvcmas": run_summary(fake_run(0.5, latency=1.0, cpu=1.0, served=80))}
+    add_ratios(summaries)  # no nonshared run: no ratio is invented
+    assert "ttft_later_ratio" not in summaries["kvcmas"]
+    assert summaries["kvcmas"]["rho_later"] == pytest.approx(0.8)

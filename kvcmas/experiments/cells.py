@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcmas.experiments.compare import fmt, pair
+
+def fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def pair(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    """``all / later`` cell for a figure keyed ``key.format("all")`` and ``"later"``."""
+    return f"{fmt(m.get(key.format('all')), spec)} / {fmt(m.get(key.format('later')), spec)}"
+
 
 COST_HEADER = "TTFT s | TTFT / NS | latency s (/NS) | compute s (/NS)"
 

@@ -7,14 +7,15 @@ prompt in fp32. The noise floor row is NonShared run in bf16 against the same fp
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from kvcmas.eval.fidelity import FidelityObserver
 from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, mean, run_summary
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
+from kvcmas.experiments.common import write_results
+from kvcmas.experiments.machine import machine_description
 from kvcmas.methods import check_options_used, make_method
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel, load_model
@@ -138,21 +139,11 @@ def compare(
             "reference_dtype": "fp32" if fidelity else "none (timing run)",
             "workflow": workflow.name,
             "requests": len(requests),
-            "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-            "torch_threads": __import__("torch").get_num_threads(),
+            "machine": machine_description(),
         },
         "summary": summaries,
         "requests": {k: [r.to_json() for r in v] for k, v in results.items()},
     }
-
-
-def fmt(x, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def pair(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
-    """``all / later`` cell for a figure keyed ``key.format("all")`` and ``"later"``."""
-    return f"{fmt(m.get(key.format('all')), spec)} / {fmt(m.get(key.format('later')), spec)}"
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -161,26 +152,21 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"# Method comparison: {s['workflow']} workflow, {s['requests']} requests",
         "",
         f"Model {s['model']} ({s['dtype']}), fidelity against NonShared in "
-        f"{s['reference_dtype']}; machine {s['machine']}, {s['torch_threads']} torch threads.",
+        f"{s['reference_dtype']}; machine {s['machine']}.",
         "",
-        "Each cell gives all hops / hops 2+. rho: shared tokens served from a source; "
+        "Cells with a slash give all hops / hops 2+. rho: shared tokens served from a source; "
         "recompute: computed (token, layer) pairs of shared tokens over dense. Latency is the "
-        "request end to end (mean), bg the anchor work after it, compute the process CPU "
-        "seconds of the whole run; ratios are to NonShared (below 1 is faster).",
+        "request end to end (mean); bg the anchor work after it; compute the process CPU "
+        "seconds of the whole run (bg included). Ratios are to NonShared (below 1 is faster).",
         "",
-        "| method | rho | recompute | TTFT s | TTFT / NonShared | latency s (/NS) | bg s "
-        "| compute s (/NS) | KV err | KL first (mean) | KL cont. | same hop output "
-        "| final agree | state MiB | pool KiB |",
+        f"| method | rho | recompute | {COST_HEADER} | bg s | KV err | KL first (mean) "
+        "| KL cont. | same hop output | final agree | state MiB | pool KiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, m in report["summary"].items():
         lines.append(
-            f"| {label} | {pair(m, 'rho_{}', '.2f')} | {pair(m, 'recompute_{}', '.2f')}"
-            f" | {pair(m, 'ttft_{}_mean_s')}"
-            f" | {fmt(m.get('ttft_all_ratio'), '.2f')} / {fmt(m.get('ttft_later_ratio'), '.2f')}"
-            f" | {fmt(m.get('latency_request_mean_s'))} ({fmt(m.get('latency_ratio'), '.2f')})"
+            f"| {label} | {reuse_cells(m)} | {cost_cells(m)}"
             f" | {fmt(m.get('background_request_mean_s'))}"
-            f" | {fmt(m.get('compute_s'), '.1f')} ({fmt(m.get('compute_ratio'), '.2f')})"
             f" | {pair(m, 'kv_error_{}_mean', '.4f')}"
             f" | {pair(m, 'first_token_kl_{}_mean', '.4f')}"
             f" | {pair(m, 'continuation_kl_{}_mean', '.4f')}"
@@ -255,8 +241,6 @@ def plot_layer_errors(report: dict[str, Any], path: Path) -> None:
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    (out / "table.md").write_text(markdown_table(report))
+    write_results(out, report, markdown_table(report))
     if all("k_error_per_layer" in m for m in report["summary"].values()):
         plot_layer_errors(report, out / "layer_errors.png")

@@ -1,16 +1,22 @@
 """``kvcmas demo``: the paper's 4-agent roster with NonShared and KVCMAS side by side.
 
 KVCMAS learns its anchors online, so a few warm-up requests (not shown in detail) fill its
-pools first, as earlier traffic would in a running service; then each demo question runs
-through both methods and the answers, per-hop TTFT, reuse and pool bytes are printed.
+pools first, as earlier traffic would in a running service. Then each demo question runs
+through NonShared (fp32, the exact reference), KVCMAS, and NonShared in bf16 (the noise
+floor: the same dense computation, rounded differently). The summary puts every figure in
+context: TTFT beside request latency and compute seconds, and KVCMAS's agreement with the
+reference beside the noise floor's, measured two ways that wording cannot flip: first-token
+KL of every hop, and the letter chosen on multiple-choice questions.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
+from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.scoring import extract_mmlu_letter
+from kvcmas.eval.summary import mean, run_summary
 from kvcmas.methods import make_method
 from kvcmas.model.loader import load_model
 from kvcmas.workflow.builtin import roster
@@ -24,47 +30,106 @@ WARMUP_QUESTIONS = (
     "How many continents are there on Earth?",
     "What is the largest mammal on Earth?",
 )
+# Multiple choice, so that the chosen letter can be compared where free wording differs.
 DEMO_QUESTIONS = (
-    "What is the capital of France?",
-    "Which gas do plants absorb from the air to make food?",
-    "How many legs does a spider have?",
-    "What is the freezing point of water in Fahrenheit?",
+    "What is the capital of France?\nA. Berlin\nB. Madrid\nC. Paris\nD. Rome",
+    "Which gas do plants absorb from the air to make food?\n"
+    "A. Oxygen\nB. Carbon dioxide\nC. Nitrogen\nD. Helium",
+    "How many legs does a spider have?\nA. Six\nB. Eight\nC. Ten\nD. Four",
+    "What is the freezing point of water in Fahrenheit?\nA. 0\nB. 100\nC. 32\nD. 212",
 )
+LABELS = ("NonShared fp32", "KVCMAS", "NonShared bf16")
 
 
-def _print_pair(q: str, base: RequestResult, ours: RequestResult) -> None:
-    print(f"\nQ: {q}")
-    print(f"  NonShared answer: {base.final_answer.strip()}")
-    print(f"  KVCMAS answer:    {ours.final_answer.strip()}")
-    print(f"  same final answer: {'yes' if base.final_answer == ours.final_answer else 'no'}")
+def _print_question(q: str, runs: dict[str, RequestResult]) -> None:
+    base, ours = runs[LABELS[0]], runs[LABELS[1]]
+    print(f"\nQ: {q.splitlines()[0]}")
+    for label, r in runs.items():
+        letter = extract_mmlu_letter(r.final_answer) or "-"
+        print(f"  {label:<15} answer ({letter}): {r.final_answer.strip()[:100]}")
     print(
-        f"  {'agent':>9} {'TTFT NonShared':>15} {'TTFT KVCMAS':>12} {'reused/shared':>14}  "
-        "gate (entropy)"
+        f"  {'agent':>9} {'TTFT NonShared':>15} {'TTFT KVCMAS':>12} {'rho':>5} "
+        f"{'KL first':>9}  gate (entropy)"
     )
     for b, o in zip(base.hops, ours.hops, strict=True):
         shared = [s for s in o.segments if s["kind"] != "private"]
-        total = sum(s["length"] for s in shared)
         gate = ", ".join(
             f"{s['slot']}:{s['decision']}" + (f"({s['entropy']:.3f})" if "entropy" in s else "")
             for s in shared
         )
+        rho = "-" if o.rho is None else f"{o.rho:.2f}"
         print(
-            f"  {o.agent:>9} {b.ttft_s * 1000:>13.0f}ms {o.ttft_s * 1000:>10.0f}ms "
-            f"{o.reused_tokens:>6}/{total:<7}  {gate}"
+            f"  {o.agent:>9} {b.ttft_s * 1000:>13.0f}ms {o.ttft_s * 1000:>10.0f}ms {rho:>5} "
+            f"{o.fidelity['first_token_kl']:>9.4f}  {gate}"
         )
+
+
+def _agreement(results: list[RequestResult], reference: list[RequestResult]) -> str:
+    """Exact final text, and the chosen letter where the reference chose one."""
+    pairs = list(zip(results, reference, strict=True))
+    text = sum(a.final_answer == b.final_answer for a, b in pairs)
+    letters = [
+        (extract_mmlu_letter(a.final_answer), ref)
+        for a, b in pairs
+        if (ref := extract_mmlu_letter(b.final_answer)) is not None
+    ]
+    same = sum(a == b for a, b in letters)
+    return f"same text {text}/{len(pairs)}, same letter {same}/{len(letters)}"
+
+
+def _print_summary(results: dict[str, list[RequestResult]], pool_report: dict) -> None:
+    reference = results[LABELS[0]]
+    base = run_summary(reference)
+    print("\nSummary over the demo questions (reference: NonShared fp32)")
+    print(f"  {'':<16}{'answers vs reference':<36}{'KL first, hops 2+':>18}")
+    for label in LABELS[1:]:
+        kl = mean(h.fidelity["first_token_kl"] for r in results[label] for h in r.hops[1:])
+        print(f"  {label:<16}{_agreement(results[label], reference):<36}{kl:>18.4f}")
+    print("  (NonShared bf16 is the noise floor: dense prefill, only rounding differs)")
+    ours = run_summary(results[LABELS[1]])
+    print(
+        f"  TTFT hops 2+:     NonShared {base['ttft_later_mean_s'] * 1000:.0f} ms, "
+        f"KVCMAS {ours['ttft_later_mean_s'] * 1000:.0f} ms "
+        f"({ours['ttft_later_mean_s'] / base['ttft_later_mean_s']:.2f}x)"
+    )
+    print(
+        f"  request latency:  NonShared {base['latency_request_mean_s']:.2f} s, "
+        f"KVCMAS {ours['latency_request_mean_s']:.2f} s "
+        f"({ours['latency_request_mean_s'] / base['latency_request_mean_s']:.2f}x), plus "
+        f"{ours['background_request_mean_s']:.2f} s of anchor work after each answer"
+    )
+    print(
+        f"  compute (CPU s):  NonShared {base['compute_s']:.1f}, KVCMAS {ours['compute_s']:.1f} "
+        f"(anchor work included)"
+    )
+    print(
+        f"  reuse: rho {ours['rho_later']:.2f} of shared tokens on hops 2+ "
+        f"(recompute fraction {ours['recompute_later']:.2f})"
+    )
+    print(
+        f"  anchor pools: {pool_report['anchors']} anchors, "
+        f"{pool_report['pool_bytes'] / 2**20:.1f} MiB (full-dimensional would be "
+        f"{pool_report['analytic_full_bytes'] / 2**20:.1f} MiB)"
+    )
 
 
 def run_demo(model_spec: str, dtype: str) -> int:
     print(
-        f"kvcmas demo: model {model_spec} ({dtype}), workflow 'roster' "
-        "(3 task agents + a decider reading all three)",
+        f"kvcmas demo: model {model_spec} (KVCMAS in {dtype}; reference NonShared fp32), "
+        "workflow 'roster' (3 task agents + a decider reading all three)",
         flush=True,
     )
     loaded = load_model(model_spec, dtype)
+    reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
+    bf16 = load_model(model_spec, "bf16")
     workflow = roster()
-    nonshared = Runner(loaded, workflow, make_method("nonshared"))
     method = make_method("kvcmas")
-    kvcmas = Runner(loaded, workflow, method)
+    observer = FidelityObserver(reference)
+    runners = {
+        LABELS[0]: Runner(reference, workflow, make_method("nonshared")),
+        LABELS[1]: Runner(loaded, workflow, method, observer=observer),
+        LABELS[2]: Runner(bf16, workflow, make_method("nonshared"), observer=observer),
+    }
     start = time.perf_counter()
     for i, q in enumerate(WARMUP_QUESTIONS):
         print(
@@ -73,32 +138,12 @@ def run_demo(model_spec: str, dtype: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-        kvcmas.run({"query": q}, i)
-    pairs = []
-    for i, q in enumerate(DEMO_QUESTIONS):
-        base = nonshared.run({"query": q}, i)
-        ours = kvcmas.run({"query": q}, len(WARMUP_QUESTIONS) + i)
-        _print_pair(q, base, ours)
-        pairs.append((base, ours))
-
-    later_b = [h.ttft_s for b, _ in pairs for h in b.hops[1:]]
-    later_o = [h.ttft_s for _, o in pairs for h in o.hops[1:]]
-    segs = [s for _, o in pairs for h in o.hops for s in h.segments if s["kind"] != "private"]
-    reused = sum(s["length"] for s in segs if s["decision"] != "dense")
-    agree = sum(b.final_answer == o.final_answer for b, o in pairs)
-    report = method.pool_report(loaded.config.n_layers, loaded.config.kv_width)
-    print("\nSummary over the demo questions")
-    print(f"  final answers equal to NonShared: {agree}/{len(pairs)}")
-    print(
-        f"  shared tokens reused by KVCMAS:   {reused}/{sum(s['length'] for s in segs)} "
-        f"(token reuse ratio {reused / max(1, sum(s['length'] for s in segs)):.2f})"
-    )
-    print(
-        f"  mean TTFT of non-first hops:      NonShared {statistics.fmean(later_b) * 1000:.0f}ms"
-        f", KVCMAS {statistics.fmean(later_o) * 1000:.0f}ms"
-    )
-    print(
-        f"  anchor pools: {report['anchors']} anchors, {report['pool_bytes'] / 2**20:.1f} MiB "
-        f"(full-dimensional would be {report['analytic_full_bytes'] / 2**20:.1f} MiB)"
-    )
+        runners[LABELS[1]].run({"query": q})
+    results: dict[str, list[RequestResult]] = {label: [] for label in LABELS}
+    for q in DEMO_QUESTIONS:
+        runs = {label: runner.run({"query": q}) for label, runner in runners.items()}
+        for label, r in runs.items():
+            results[label].append(r)
+        _print_question(q, runs)
+    _print_summary(results, method.pool_report(loaded.config.n_layers, loaded.config.kv_width))
     return 0

@@ -223,7 +223,9 @@ class Runner:
         hops = []
         for step, name in enumerate(self.workflow.order):
             hops.append(self._run_hop(self.workflow.agent(name), shared, session, step))
-        latency = time.perf_counter() - start
+        # The observer (fidelity measurement) is not the request's work: off the clock.
+        observed_s = sum(h.fidelity["observer_s"] for h in hops if h.fidelity)
+        latency = time.perf_counter() - start - observed_s
         background = self.method.flush()  # idle time after the request's answer
         final = next(h for h in hops if h.agent == self.workflow.final).output
         rid = str(request.get("id", session))
@@ -234,7 +236,9 @@ class Runner:
             hops,
             latency_s=latency,
             background_s=background,
-            cpu_s=time.process_time() - cpu0 - self._observer_cpu(hops),
+            cpu_s=time.process_time() - cpu0 - sum(
+                h.fidelity["observer_cpu_s"] for h in hops if h.fidelity
+            ),
         )
 
     def run_stream(self, requests: Iterable[dict], progress=None) -> Iterator[RequestResult]:
@@ -243,10 +247,6 @@ class Runner:
             if progress:
                 progress(i, result)
             yield result
-
-    @staticmethod
-    def _observer_cpu(hops: list[HopResult]) -> float:
-        return sum(h.fidelity.get("observer_cpu_s", 0.0) for h in hops if h.fidelity)
 
     def _run_hop(self, agent, shared: dict[str, SharedSegment], session: str, step: int):
         model = self.loaded.model
@@ -291,9 +291,10 @@ class Runner:
             view = HopView(
                 hop, build, model, out.first_logits, out.tokens, agent.max_new_tokens, self.stop
             )
-            cpu0 = time.process_time()
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             fidelity = self.observer(view)
             fidelity["observer_cpu_s"] = time.process_time() - cpu0
+            fidelity["observer_s"] = time.perf_counter() - wall0
         shared[agent.name] = produced
 
         return HopResult(

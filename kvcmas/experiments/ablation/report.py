@@ -10,7 +10,7 @@ from typing import Any
 from kvcmas.experiments import common
 from kvcmas.experiments.ablation.plan import DEFAULT_POOL, DEFAULT_RANK
 from kvcmas.experiments.calibrate.report import COLUMNS, row
-from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.cells import fmt
 from kvcmas.methods.kvcmas import DEFAULT_TAU
 
 RULE = "|" + "---|" * (COLUMNS.count("|") - 1)

@@ -21,7 +21,7 @@ from kvcmas.experiments.ablation.plan import (
 )
 from kvcmas.experiments.calibrate.plan import capped
 from kvcmas.experiments.calibrate.runs import OnlineRuns
-from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.cells import fmt
 from kvcmas.methods import make_method
 from kvcmas.methods.kvcmas import DEFAULT_TAU
 from kvcmas.model.loader import LoadedModel

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments.accuracy.plan import TITLES
-from kvcmas.experiments.cells import COST_HEADER, cost_cells, reuse_cells
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
 from kvcmas.experiments.common import write_results
-from kvcmas.experiments.compare import fmt, pair
 
 
 def _budget_text(report: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments import common
-from kvcmas.experiments.compare import fmt, pair
+from kvcmas.experiments.cells import fmt, pair
 
 COLUMNS = (
     "| run | rho | recompute | reused of matched | error / FullShared | KV err | KL first "

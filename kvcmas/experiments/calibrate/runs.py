@@ -17,7 +17,7 @@ from typing import Any
 from kvcmas.eval.fidelity import FidelityObserver
 from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, mean, run_summary
 from kvcmas.experiments.calibrate.plan import Plan
-from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.cells import fmt
 from kvcmas.methods import make_method
 from kvcmas.methods.base import Method
 from kvcmas.methods.kvcmas import KVCMAS

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments import common
-from kvcmas.experiments.cells import COST_HEADER, cost_cells, reuse_cells
-from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, reuse_cells
 from kvcmas.experiments.plots import line_panels
 
 COLUMNS = (

@@ -10,8 +10,8 @@ from typing import Any
 from kvcmas.eval.summary import add_ratios, run_summary
 from kvcmas.experiments import common
 from kvcmas.experiments.args import method_options
+from kvcmas.experiments.cells import fmt
 from kvcmas.experiments.child import in_child
-from kvcmas.experiments.compare import fmt
 from kvcmas.experiments.context_sweep.documents import documents, source_texts
 from kvcmas.experiments.context_sweep.plan import (
     DOC_SLOT,
