@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from kvcmas.chat import render_segments, tokenize
+from kvcmas.errors import WorkflowError
 from kvcmas.eval.fidelity import FidelityObserver
 from kvcmas.methods import make_method
 from kvcmas.methods.fullshared import FullShared
 from kvcmas.methods.nonshared import NonShared
 from kvcmas.model.generate import greedy_decode, stop_ids
 from kvcmas.workflow.runner import Runner, read_requests
-from kvcmas.errors import WorkflowError
 from kvcmas.workflow.spec import AgentSpec, Workflow
 
 QUESTION = "A farmer has 17 sheep and all but 9 run away. How many sheep does he have left?"

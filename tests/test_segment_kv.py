@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcmas.kv.segment import SegmentKV, concat_segments, place_segment
+from kvcmas.kv.segment import SegmentKV, place_segment
 from kvcmas.model.rope import rotate_keys
 
 
@@ -57,13 +57,3 @@ def test_layer0_canonical_kv_is_independent_of_preceding_text(tiny_pair):
     torch.testing.assert_close(a.k[0], b.k[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a.v[0], b.v[0], atol=1e-6, rtol=1e-6)
     assert (a.k[1:] - b.k[1:]).abs().max() > 1e-3  # deeper layers do see the prefix
-
-
-def test_slice_and_concat_are_inverse(tiny_pair):
-    _, ours = tiny_pair
-    cache, _ = prefill(ours, torch.randint(0, 128, (20,)))
-    seg = SegmentKV.from_cache(cache, 4, 20, ours.inv_freq)
-    parts = [seg.slice(0, 6, ours.inv_freq), seg.slice(6, 16, ours.inv_freq)]
-    joined = concat_segments(parts, ours.inv_freq)
-    torch.testing.assert_close(joined.k, seg.k, atol=1e-5, rtol=1e-5)
-    assert joined.nbytes() == 2 * 4 * 2 * 16 * ours.config.head_dim * 4

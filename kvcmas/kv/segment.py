@@ -37,25 +37,9 @@ class SegmentKV:
         """Keys rotated to absolute positions ``start ..``."""
         return rotate_keys(self.k, start, inv_freq)
 
-    def slice(self, a: int, b: int, inv_freq: torch.Tensor) -> SegmentKV:
-        """Tokens ``[a, b)`` as a segment of their own (re-anchored at position 0)."""
-        return SegmentKV(rotate_keys(self.k[:, :, a:b], -a, inv_freq), self.v[:, :, a:b])
-
-    def to(self, dtype: torch.dtype) -> SegmentKV:
-        return SegmentKV(self.k.to(dtype), self.v.to(dtype))
-
 
 def place_segment(cache: KVCache, segment: SegmentKV, inv_freq: torch.Tensor) -> int:
     """Append ``segment`` at the end of ``cache``; return the start position it was placed at."""
     start = cache.length
     cache.append(segment.placed_keys(start, inv_freq).to(cache.dtype), segment.v.to(cache.dtype))
     return start
-
-
-def concat_segments(segments: list[SegmentKV], inv_freq: torch.Tensor) -> SegmentKV:
-    """One canonical segment made of ``segments`` laid end to end."""
-    ks, offset = [], 0
-    for s in segments:
-        ks.append(s.placed_keys(offset, inv_freq))
-        offset += len(s)
-    return SegmentKV(torch.cat(ks, dim=2), torch.cat([s.v for s in segments], dim=2))
