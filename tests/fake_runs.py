@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 from kvcmas.methods.base import ReuseCounts
-from kvcmas.workflow.runner import HopResult, RequestResult
+from kvcmas.workflow.records import HopResult, RequestResult
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcmas.methods.base import ReuseCounts
-from kvcmas.workflow.runner import HopResult, RequestResult
+from kvcmas.workflow.records import HopResult, RequestResult
 
 HOP_SETS = ("all", "later")
 

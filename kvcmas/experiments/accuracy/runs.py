@@ -23,7 +23,7 @@ from kvcmas.experiments.compare import NOISE_FLOOR, run_method, summarize
 from kvcmas.experiments.machine import machine_description
 from kvcmas.methods import make_method
 from kvcmas.model.loader import LoadedModel, load_model
-from kvcmas.workflow.runner import RequestResult, peak_rss_bytes
+from kvcmas.workflow.records import RequestResult, peak_rss_bytes
 from kvcmas.workflow.spec import Workflow
 
 Log = Callable[[str], Any]
