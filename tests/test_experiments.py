@@ -141,6 +141,8 @@ def test_keeps_state():
     assert not sweep_runs.keeps_state(make_method("fullshared"))
     assert sweep_runs.keeps_state(make_method("kvcmas"))
     assert sweep_runs.keeps_state(make_method("kvcomm"))
+    assert sweep_runs.keeps_state(make_method("graphflow"))  # residuals learned per path
+    assert not sweep_runs.keeps_state(make_method("droidspeak"))  # hidden states: per session
 
 
 # --- spectra ----------------------------------------------------------------------------------

@@ -96,16 +96,19 @@ class HopBuild:
 class Method(ABC):
     """A way of building a hop's context KV. Instances live across requests (pools persist).
 
-    Capabilities are explicit class members, read by the runner and the serving connector:
-    ``reads_sources`` (the runner keeps each hop's segment caches for it) and
+    Capabilities are explicit class members, read by the runner, the experiments and the
+    serving connector: ``reads_sources`` (the runner keeps each hop's segment caches for it),
     ``needs_hidden_states`` (it saves hidden states of shared spans while they are computed or
-    decoded, which a serving engine that hands over only KV cannot provide).
+    decoded, which a serving engine that hands over only KV cannot provide) and
+    ``learns_across_requests`` (its state, such as anchor pools, carries from one request to
+    the next, so benchmarks warm it up first).
     """
 
     name: ClassVar[str]
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     reads_sources: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = False
+    learns_across_requests: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig | None = None):
         config = self.Config() if config is None else config

@@ -82,6 +82,7 @@ class GraphFlowConfig(MethodConfig):
 class GraphFlow(Method):
     name = "graphflow"
     Config = GraphFlowConfig
+    learns_across_requests = True
 
     def __init__(self, config: GraphFlowConfig | None = None):
         super().__init__(config)

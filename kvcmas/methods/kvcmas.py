@@ -113,6 +113,7 @@ def _rank(value: int | None) -> int | None:
 class KVCMAS(Method):
     name = "kvcmas"
     Config = KVCMASConfig
+    learns_across_requests = True
 
     def __init__(self, config: MethodConfig | None = None):
         super().__init__(config)

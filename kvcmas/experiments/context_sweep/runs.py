@@ -30,7 +30,7 @@ Log = Callable[[str], None]
 
 def keeps_state(method: Method) -> bool:
     """Methods whose state persists across requests need warm-up requests first."""
-    return type(method).memory_bytes is not Method.memory_bytes
+    return method.learns_across_requests
 
 
 def run_one(
