@@ -19,6 +19,7 @@ EXPERIMENT_MODULES: dict[str, str] = {
     "lowrank": "kvcmas.experiments.lowrank",
     "coverage": "kvcmas.experiments.coverage_exp",
     "accuracy": "kvcmas.experiments.accuracy",
+    "pareto": "kvcmas.experiments.pareto",
     "report": "kvcmas.experiments.report",
     "smoke": "kvcmas.experiments.smoke",
 }

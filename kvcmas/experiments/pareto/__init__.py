@@ -1,0 +1,34 @@
+"""``kvcmas bench pareto``: each method over its knob range, speed against fidelity, on long
+shared context (issue 11).
+
+Per model and document size, every method's knob points (:mod:`.plan`) run on the context
+sweep's trace workflow with documents cut from a packaged dataset: a fidelity pass in fp32
+(first-token and continuation KL of hops 2+ and final-answer agreement, all against fp32
+NonShared; the bf16 noise floor beside them) and a separate timing pass in ``--dtype`` (bf16:
+TTFT speedup on hops 2+, end-to-end speedup, compute). Each method's frontier (points no other
+point of the same method beats on both axes) is drawn per size, with a JSON and a table.
+
+Pieces: :mod:`.plan` (knob points, flags), :mod:`.runs` (the two passes), :mod:`.report`
+(frontiers, table, plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvcmas.experiments import common
+from kvcmas.experiments.pareto.plan import add_arguments, check_args, smoke_args
+from kvcmas.experiments.pareto.report import add_frontiers, markdown, plot
+from kvcmas.experiments.pareto.runs import pareto
+
+__all__ = ["HELP", "add_arguments", "run", "smoke_args"]
+
+HELP = "each method over its knob: TTFT and end-to-end speedup against KL and answer agreement"
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    log = common.Progress("pareto")
+    results = pareto(args, log)
+    add_frontiers(results)
+    return common.finish(args.out, results, log, markdown, plot)

@@ -1,0 +1,135 @@
+"""What a pareto run covers: sizes, the trace workflow, and each method's knob points.
+
+Each method runs over at most ``--max-points`` points of its own knob (KVCMAS: tau and the
+graded-repair budget; CacheBlend: ratio; head recompute: k; DroidSpeak: its layer block);
+FullShared, KVCOMM and NonShared are single points, and NonShared in bf16 is the noise floor.
+The workflow is the context sweep's trace (every agent reads the shared document and every
+earlier output); documents are cut from a packaged dataset's questions by the context sweep's
+builder (:mod:`kvcmas.experiments.context_sweep.documents`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcmas.errors import ConfigError, UsageError
+from kvcmas.experiments.args import add_model_args
+from kvcmas.experiments.common import choice_list, int_list
+from kvcmas.experiments.context_sweep.plan import ROLES
+from kvcmas.methods import make_method
+
+NOISE_FLOOR = "nonshared-bf16"
+MAX_POINTS = 6
+
+# Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets
+# the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default.
+KNOBS: dict[str, list[dict[str, Any]]] = {
+    "nonshared": [{}],
+    "fullshared": [{}],
+    "kvcomm": [{}],
+    "kvcmas": [
+        {"tau": 0.995, "repair_max": 0.0},
+        {"tau": 0.995, "repair_max": 0.25},
+        {"tau": 1.0, "repair_max": 0.0},
+        {"tau": 1.0, "repair_max": 0.1},
+        {"tau": 1.0, "repair_max": 0.25},
+        {"tau": 1.0, "repair_max": 0.5},
+    ],
+    "cacheblend": [{"ratio": r} for r in (0.05, 0.1, 0.15, 0.3, 0.5)],
+    "headrecompute": [{"head_tokens": k} for k in (4, 16, 64, 256)],
+    # DroidSpeak blocks as fractions of the depth: resolved once the model is loaded.
+    "droidspeak": [{"block": f} for f in ((0.2, 0.93), (0.3, 0.8), (0.4, 0.7), (0.45, 0.6))],
+}
+DEFAULT_METHODS = list(KNOBS)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One method at one knob setting; ``label`` names it in tables and plots."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        if self.method == "nonshared" and self.dtype == "bf16":
+            return NOISE_FLOOR
+        knobs = ",".join(f"{k}={_fmt(v)}" for k, v in self.options.items())
+        return f"{self.method}({knobs})" if knobs else self.method
+
+
+def _fmt(v: Any) -> str:
+    return ":".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+
+
+def resolve(options: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """DroidSpeak's fractional block as layer numbers ``S:E`` of this model."""
+    if "block" in options and isinstance(options["block"], tuple):
+        s, e = (round(f * n_layers) for f in options["block"])
+        return {**options, "block": f"{s}:{max(s, e)}"}
+    return options
+
+
+def plan_points(methods: list[str], n_layers: int, max_points: int) -> list[Point]:
+    """NonShared first (the reference of every ratio), then each method's knob points."""
+    if not 1 <= max_points <= MAX_POINTS:
+        raise UsageError(f"--max-points must be in 1..{MAX_POINTS}")
+    order = ["nonshared"] + [m for m in methods if m != "nonshared"]
+    points = []
+    for m in order:
+        grid = KNOBS[m]
+        if len(grid) > max_points:  # keep the ends and spread the rest evenly
+            step = (len(grid) - 1) / max(1, max_points - 1)
+            grid = [grid[round(i * step)] for i in range(max_points)]
+        points += [Point(m, resolve(o, n_layers)) for o in grid]
+    return points
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int_list, default=[512, 1024, 2048], help="document tokens")
+    p.add_argument(
+        "--methods", type=choice_list(DEFAULT_METHODS), default=DEFAULT_METHODS,
+        help=f"comma-separated, from {', '.join(DEFAULT_METHODS)} (NonShared always runs)",
+    )  # fmt: skip
+    p.add_argument("--max-points", type=int, default=MAX_POINTS, help="knob points per method")
+    p.add_argument("--agents", type=int, default=4, help=f"chain length (2-{len(ROLES)})")
+    p.add_argument("--output-tokens", type=int, default=128, help="tokens per agent output")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests (stateful methods)")
+    p.add_argument("--measure", type=int, default=8, help="measured requests per size")
+    p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
+    p.add_argument("--no-timing", action="store_true", help="fidelity pass only")
+    p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 point")
+    p.add_argument("--out", required=True)
+    add_model_args(p)
+    p.set_defaults(dtype="bf16")  # the timing pass; fidelity is always fp32
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad sizes, counts or knob values fail before any model loads."""
+    if args.warmup < 0 or args.measure < 1 or args.output_tokens < 1:
+        raise UsageError("need --warmup >= 0, --measure >= 1 and --output-tokens >= 1")
+    if not args.sizes or any(s < 1 for s in args.sizes):
+        raise UsageError("--sizes must be positive token counts")
+    if not 2 <= args.agents <= len(ROLES):
+        raise UsageError(f"--agents must be in 2..{len(ROLES)}")
+    try:
+        for point in plan_points(args.methods, 30, args.max_points):
+            make_method(point.method, point.options)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def smoke_args(out_dir: str | Path) -> list[str]:
+    return [
+        "--sizes", "64",
+        "--methods", "nonshared,kvcmas,cacheblend,headrecompute",
+        "--max-points", "2",
+        "--warmup", "1",
+        "--measure", "1",
+        "--output-tokens", "8",
+        "--out", str(out_dir),
+    ]  # fmt: skip

@@ -1,0 +1,126 @@
+"""Frontiers, the table and the plots of a pareto run.
+
+A method's frontier is its points that no other point of the same method beats on both axes
+(at least as fast and at most as far from NonShared, strictly better on one). Speed is the
+TTFT speedup of hops 2+ over NonShared (and, in a second panel, the end-to-end speedup);
+distance is the first-token KL against fp32 NonShared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcmas.experiments import common
+from kvcmas.experiments.compare import fmt
+
+AXES = (("ttft_speedup_later", "TTFT speedup, hops 2+"), ("e2e_speedup", "end-to-end speedup"))
+DISTANCE = "first_token_kl"
+
+
+def frontier(points: Sequence[tuple[float | None, float | None]]) -> list[int]:
+    """Indices of the points (speed: higher is better, distance: lower is better) that no
+    other point dominates, fastest first; points missing a coordinate are never on it."""
+    ok = [i for i, (x, y) in enumerate(points) if x is not None and y is not None]
+    keep = []
+    for i in ok:
+        xi, yi = points[i]
+        beaten = any(
+            points[j][0] >= xi and points[j][1] <= yi and points[j] != points[i] for j in ok
+        )
+        if not beaten:
+            keep.append(i)
+    return sorted(keep, key=lambda i: -points[i][0])
+
+
+def frontiers(rows: list[dict[str, Any]], axis: str) -> dict[str, list[str]]:
+    """Per method: labels of its frontier points on ``axis`` against the first-token KL."""
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        idx = frontier([(r[axis], r[DISTANCE]) for r in mine])
+        if idx:
+            out[method] = [mine[i]["label"] for i in idx]
+    return out
+
+
+def add_frontiers(results: dict[str, Any]) -> None:
+    for size in results["sizes"]:
+        size["frontiers"] = {axis: frontiers(size["points"], axis) for axis, _ in AXES}
+
+
+COLUMNS = (
+    "| point | rho 2+ | recompute 2+ | TTFT speedup 2+ | e2e speedup | compute / NS "
+    "| KL first 2+ | KL cont. 2+ | final agree | frontier |"
+)
+
+
+def _row(r: dict[str, Any], on: set[str]) -> str:
+    return (
+        f"| {r['label']} | {fmt(r['rho_later'], '.2f')} | {fmt(r['recompute_later'], '.2f')}"
+        f" | {fmt(r['ttft_speedup_later'], '.2f')} | {fmt(r['e2e_speedup'], '.2f')}"
+        f" | {fmt(r['compute_ratio'], '.2f')} | {fmt(r['first_token_kl'], '.5f')}"
+        f" | {fmt(r['continuation_kl'], '.5f')} | {fmt(r['final_agreement'], '.2f')}"
+        f" | {'yes' if r['label'] in on else ''} |"
+    )
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["setup"]
+    lines = [
+        f"# Pareto: speed against fidelity, {s['agents']}-agent trace on a shared document",
+        "",
+        *common.setup_lines(s),
+        "",
+        f"Workload: every agent reads the shared document of N tokens (cut from {s['source']} "
+        "questions) and every earlier agent's output; outputs are exactly "
+        f"{s['output_tokens']} tokens (end-of-turn ignored). {s['measured_requests']} measured "
+        f"requests per size; methods with state ran {s['warmup_requests']} warm-up requests on "
+        "other documents first. Fidelity (KL, agreement, rho, recompute) is measured with the "
+        "methods in fp32 against NonShared in fp32, over hops 2+; speedups come from a separate "
+        "timing pass and are NonShared's time over the point's (above 1 is faster). The noise "
+        "floor is NonShared in bf16, timed as the bf16 NonShared point. Frontier: not beaten "
+        "on both TTFT speedup and first-token KL by another point of the same method.",
+    ]
+    for size in results["sizes"]:
+        on = {lb for labels in size["frontiers"][AXES[0][0]].values() for lb in labels}
+        lines += ["", f"## N = {size['size']} tokens", "", COLUMNS, "|---" * 10 + "|"]
+        lines += [_row(r, on) for r in size["points"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    """``pareto_<size>.png`` per size: each method's frontier (lines) over all its points
+    (markers), first-token KL against TTFT speedup (hops 2+) and end-to-end speedup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["setup"]
+    for size in results["sizes"]:
+        rows = size["points"]
+        fig, axes = plt.subplots(1, len(AXES), figsize=(6.4 * len(AXES), 4.6), squeeze=False)
+        for ax, (axis, xlabel) in zip(axes[0], AXES, strict=True):
+            drawn = False
+            for method, labels in frontiers(rows, axis).items():
+                mine = [r for r in rows if r["method"] == method]
+                pts = [(r[axis], max(r[DISTANCE], 1e-8)) for r in mine if r[axis] is not None]
+                line = [next(r for r in mine if r["label"] == lb) for lb in labels]
+                xy = [(r[axis], max(r[DISTANCE], 1e-8)) for r in line]
+                (h,) = ax.plot(*zip(*xy, strict=True), marker="o", label=method)
+                ax.scatter(*zip(*pts, strict=True), color=h.get_color(), alpha=0.35, s=14)
+                drawn = True
+            ax.set_xlabel(f"{xlabel} over NonShared")
+            ax.set_ylabel("first-token KL vs fp32 NonShared (hops 2+)")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if drawn:
+                ax.legend(fontsize=7)
+        fig.suptitle(
+            f"{s['model']}, N = {size['size']} tokens, {s['dtype']}, {s['machine']}", fontsize=9
+        )
+        fig.tight_layout()
+        fig.savefig(out / f"pareto_{size['size']}.png", dpi=110)
+        plt.close(fig)

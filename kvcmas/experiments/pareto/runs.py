@@ -1,0 +1,166 @@
+"""Running a pareto plan: a fidelity pass in fp32 and a separate timing pass, every point on
+the same documents (warm-ups first for methods that keep state).
+
+Fidelity: every hop against a dense fp32 NonShared prefill of its own prompt
+(:class:`~kvcmas.eval.fidelity.FidelityObserver`), and final answers against the fp32
+NonShared run. Timing: the same points without an observer in ``--dtype`` (bf16 by default),
+ratios to NonShared at the same size. Figures come from :mod:`kvcmas.eval.summary`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, run_summary
+from kvcmas.experiments import common
+from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.context_sweep.documents import documents, source_texts
+from kvcmas.experiments.context_sweep.plan import (
+    DOC_SLOT,
+    cap_sizes,
+    overhead_tokens,
+    trace_workflow,
+)
+from kvcmas.experiments.context_sweep.runs import keeps_state
+from kvcmas.experiments.pareto.plan import NOISE_FLOOR, Point, plan_points
+from kvcmas.methods import make_method
+from kvcmas.model.loader import LoadedModel, load_model
+from kvcmas.workflow.runner import RequestResult, Runner
+from kvcmas.workflow.spec import Workflow
+
+Log = Callable[[str], None]
+
+
+def run_point(
+    loaded: LoadedModel,
+    workflow: Workflow,
+    point: Point,
+    docs: list[str],
+    warmup: int,
+    reference: LoadedModel | None,
+    log: Log,
+) -> tuple[list[RequestResult], Any]:
+    """One point over the measured documents (after its warm-ups); ``reference`` adds the
+    fidelity observer. Every agent output has exactly its budget (end-of-turn ignored)."""
+    method = make_method(point.method, point.options)
+    observer = FidelityObserver(reference) if reference is not None else None
+    runner = Runner(loaded, workflow, method, observer=observer)
+    runner.stop = set()  # as common.trace_runner(ignore_eos=True)
+    n_warm = warmup if keeps_state(method) else 0
+    requests = [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :]
+    return common.run_stream(runner, requests, log, point.label)[n_warm:], method
+
+
+def fidelity_pass(
+    reference: LoadedModel, bf16: LoadedModel | None, workflow, points, docs, warmup, log
+) -> dict[str, dict[str, Any]]:
+    """Per point label: fidelity and reuse figures against fp32 NonShared."""
+    n_layers = reference.config.n_layers
+    out: dict[str, dict[str, Any]] = {}
+    baseline: list[RequestResult] = []
+    runs = [(p, reference) for p in points]
+    if bf16 is not None:
+        runs.append((Point("nonshared", dtype="bf16"), bf16))
+    for point, loaded in runs:
+        results, method = run_point(loaded, workflow, point, docs, warmup, reference, log)
+        if point.method == "nonshared" and point.dtype == "fp32":
+            baseline = results
+        s = {**run_summary(results), **fidelity_summary(results, n_layers)}
+        s["final_agreement"] = agreement(results, baseline) if baseline else None
+        s["params"] = method.params()
+        out[point.label] = s
+        log(
+            f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
+            f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')}"
+        )
+    return out
+
+
+def timing_pass(loaded: LoadedModel, workflow, points, docs, warmup, log) -> dict[str, Any]:
+    """Per point label: timing figures and ratios to NonShared (the first point)."""
+    out = {}
+    for point in points:
+        results, _ = run_point(loaded, workflow, point, docs, warmup, None, log)
+        out[point.label] = run_summary(results)
+    add_ratios({label: s for label, s in out.items()}, baseline="nonshared")
+    for label, s in out.items():
+        log(f"  timing {label}: TTFT 2+ x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}")
+    return out
+
+
+def speedup(summary: dict[str, Any] | None, ratio: str) -> float | None:
+    """Speedup over NonShared from a ``*_ratio`` figure (time / NonShared's time)."""
+    r = (summary or {}).get(ratio)
+    return 1 / r if r else None
+
+
+def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    reference = load_model(args.model, "fp32")
+    n_layers = reference.config.n_layers
+    points = plan_points(args.methods, n_layers, args.max_points)
+    workflow = trace_workflow(args.agents, args.output_tokens)
+    overhead = overhead_tokens(reference.tokenizer, workflow)
+    sizes, capped = cap_sizes(args.sizes, reference.config.max_position - overhead)
+    texts = source_texts(args.source)
+    count = args.warmup + args.measure
+    all_docs = {s: documents(reference.tokenizer, texts, s, count) for s in sizes}
+    bf16 = None if args.no_noise_floor else load_model(args.model, "bf16")
+    timed = None
+    if not args.no_timing:
+        timed = bf16 if args.dtype == "bf16" and bf16 else load_model(args.model, args.dtype)
+    by_size = []
+    for size, docs in all_docs.items():
+        log(f"size {size}: fidelity pass (fp32), {len(points)} points")
+        fid = fidelity_pass(reference, bf16, workflow, points, docs, args.warmup, log)
+        tim = {}
+        if timed is not None:
+            log(f"size {size}: timing pass ({args.dtype})")
+            tim = timing_pass(timed, workflow, points, docs, args.warmup, log)
+        by_size.append({"size": size, "points": merge_points(points, fid, tim)})
+    return {
+        "setup": common.setup(
+            reference,
+            f"fidelity fp32, timing {'none' if args.no_timing else args.dtype}",
+            sizes=sizes,
+            requested_sizes=args.sizes,
+            agents=args.agents,
+            output_tokens=args.output_tokens,
+            warmup_requests=args.warmup,
+            measured_requests=args.measure,
+            source=args.source,
+        ),
+        "capped": {str(k): v for k, v in capped.items()},
+        "sizes": by_size,
+    }
+
+
+def merge_points(points: list[Point], fid: dict, tim: dict) -> list[dict[str, Any]]:
+    """One row per point: its knobs, the fidelity figures and the timing figures."""
+    labels = [p.label for p in points] + [lb for lb in fid if lb not in {p.label for p in points}]
+    methods = {p.label: p.method for p in points}
+    rows = []
+    for label in labels:
+        f, t = fid.get(label), tim.get(label)
+        if label == NOISE_FLOOR:  # dense prefill in bf16: timed as the bf16 NonShared point
+            t = tim.get("nonshared")
+        rows.append(
+            {
+                "label": label,
+                "method": methods.get(label, label),
+                "params": (f or {}).get("params"),
+                "ttft_speedup_later": speedup(t, "ttft_later_ratio"),
+                "e2e_speedup": speedup(t, "latency_ratio"),
+                "compute_ratio": (t or {}).get("compute_ratio"),
+                "first_token_kl": (f or {}).get("first_token_kl_later_mean"),
+                "continuation_kl": (f or {}).get("continuation_kl_later_mean"),
+                "final_agreement": (f or {}).get("final_agreement"),
+                "rho_later": (f or {}).get("rho_later"),
+                "recompute_later": (f or {}).get("recompute_later"),
+                "fidelity": f,
+                "timing": t,
+            }
+        )
+    return rows
