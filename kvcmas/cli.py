@@ -67,6 +67,10 @@ def cmd_bench_forward(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvcmas.experiments.engine_run import run_on_engine
+
+        return run_on_engine(args)
     from kvcmas.eval.fidelity import FidelityObserver
     from kvcmas.eval.tasks import load_workflow
     from kvcmas.methods import make_method
@@ -133,6 +137,23 @@ def print_result_table(i, result) -> None:
     )
     if result.reference_final_answer is not None:
         print(f"  same final answer as NonShared: {result.same_final_answer}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvcmas.model.loader import resolve
+    from kvcmas.serve.launch import ServeConfig, check_method, check_port, check_sizes, serve
+
+    # Every argument is checked before the model is resolved (a first use converts it).
+    check_method(args.method)
+    check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
+                max_model_len=args.max_model_len)
+    port = check_port(args.port, args.host)
+    name, folder = resolve(args.model)
+    cfg = ServeConfig(
+        folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
+        args.store_bytes, args.max_model_len,
+    )
+    return serve(cfg)
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
@@ -222,8 +243,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--reference-dtype", default="fp32")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--engine", choices=("local", "vllm"), default="local",
+                   help="vllm: send each hop to a `kvcmas serve` server (--base-url)")
+    r.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="[--engine vllm]")
+    r.add_argument("--namespace", default=None, help="kvcmas namespace (tenant) [--engine vllm]")
     add_method_args(r)
     r.set_defaults(func=cmd_run)
+
+    from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES
+
+    s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
+    add_model_args(s)
+    s.add_argument("--method", required=True, help="how the connector builds KV: exact")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
+                   help="size of vLLM's paged KV cache")
+    s.add_argument("--store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+                   help="bound of the connector's span store (saved sources)")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks and experiments")
     bsub = bench.add_subparsers(dest="experiment", required=True)

@@ -20,7 +20,9 @@ Flow (this spike's "exact source" behaviour):
 * Everything else is plain vLLM.
 
 Extra config (``kv_connector_extra_config``): ``store_bytes`` (bound of the span store,
-default 512 MiB). Env ``KVCMAS_STATS_FILE``: where the worker writes its counters as JSON.
+default 512 MiB), ``method`` (one of ``CONNECTOR_METHODS``; default ``exact``). Env
+``KVCMAS_STATS_FILE``: where the worker writes its counters as JSON (from startup on, with the
+method, so a client can check what the server does).
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ from vllm.v1.request import RequestStatus
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
 from kvcmas.serve.paged_layout import read_span, write_span
-from kvcmas.serve.params import KvcmasParams, KvcmasParamsError, parse_kvcmas_params
+from kvcmas.serve.params import (
+    CONNECTOR_METHODS,
+    KvcmasParams,
+    KvcmasParamsError,
+    parse_kvcmas_params,
+)
 from kvcmas.serve.span_store import SpanIndex, SpanStore
 
 if TYPE_CHECKING:
@@ -103,6 +110,12 @@ class KvcmasConnector(KVConnectorBase_V1):
             )
         spec = groups[0].kv_cache_spec
         self.block_size: int = spec.block_size
+        self.method = str(self._kv_transfer_config.get_from_extra_config("method", "exact"))
+        if self.method not in CONNECTOR_METHODS:
+            raise ValueError(
+                f"KvcmasConnector: method {self.method!r} is not supported "
+                f"(supported: {', '.join(CONNECTOR_METHODS)})"
+            )
         if role == KVConnectorRole.SCHEDULER:
             bytes_per_token = spec.page_size_bytes // spec.block_size * len(groups[0].layer_names)
             capacity = int(self._kv_transfer_config.get_from_extra_config(
@@ -180,6 +193,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         claimed = self._claimed_tokens.pop(request.request_id, 0)
         saved_tokens = self._order_save(request, params, block_ids)
         info = {"kvcmas": {
+            "method": self.method,
             "claimed_tokens": claimed,
             "saved_tokens": saved_tokens,
             "store_bytes": self.index.bytes_used,
@@ -232,6 +246,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         kv_dtype = self._vllm_config.cache_config.cache_dtype
         isa = check_layout_against_vllm(next(iter(self.kv_caches.values())), model_dtype, kv_dtype)
         logger.info("KvcmasConnector: paged layout checked against vLLM (isa=%s)", isa)
+        self._write_stats()  # from startup on, /kvcmas/stats names the method
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -284,7 +299,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         path = os.environ.get(STATS_FILE_ENV)
         if not path:
             return
-        stats = dict(self._stats, store_bytes=self.store.num_bytes, store_requests=len(self.store))
+        stats = dict(self._stats, method=self.method, store_bytes=self.store.num_bytes,
+                     store_requests=len(self.store))
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)

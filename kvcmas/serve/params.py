@@ -17,6 +17,10 @@ from kvcmas.errors import KvcmasError
 # Test-only knobs are refused unless the server was started with this variable set to 1.
 TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
 
+# Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
+# re-injects the KV vLLM computed for an identical earlier prefix of the session.
+CONNECTOR_METHODS = ("exact",)
+
 
 class KvcmasParamsError(KvcmasError, ValueError):
     """Malformed ``kvcmas`` request parameters; the message names the field."""

