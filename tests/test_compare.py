@@ -53,3 +53,17 @@ def test_ratio_needs_the_baseline():
     add_ratios(summaries)  # no nonshared run: no ratio is invented
     assert "ttft_later_ratio" not in summaries["kvcmas"]
     assert summaries["kvcmas"]["rho_later"] == pytest.approx(0.8)
+
+
+def test_segment_error_sections_only_with_fidelity():
+    timing = markdown_table(report())
+    assert "by slot kind" not in timing and "by segment length" not in timing
+    with_fidelity = report()
+    with_fidelity["summary"]["kvcmas"].update(
+        by_slot_kind={"query": {"segments": 3, "reused": 2, "error_reused_mean": 0.1,
+                                "error_all_mean": 0.05}},
+        by_segment_length={"0-31": {"reused": 2, "error_reused_mean": 0.1}},
+    )  # fmt: skip
+    table = markdown_table(with_fidelity)
+    assert "| kvcmas | query | 3 | 2 | 0.1000 | 0.0500 |" in table
+    assert "0.1000 (n=2)" in table

@@ -174,6 +174,28 @@ def markdown_table(report: dict[str, Any]) -> str:
             f" | {fmt(m.get('final_agreement'), '.2f')}"
             f" | {m['peak_state_bytes'] / 2**20:.1f} | {m['method_state_bytes'] / 1024:.0f} |"
         )
+    if any("by_slot_kind" in m for m in report["summary"].values()):  # fidelity runs only
+        lines += segment_error_lines(report)
+    pools = {k: m["pool"] for k, m in report["summary"].items() if "pool" in m}
+    if pools:
+        lines += [
+            "",
+            "## Anchor pools",
+            "",
+            "| method | anchors | measured bytes | analytic full-dimensional | analytic low-rank |",
+            "|---|---|---|---|---|",
+        ]
+        for label, p in pools.items():
+            lines.append(
+                f"| {label} | {p['anchors']} | {p['pool_bytes']:,} | "
+                f"{p['analytic_full_bytes']:,} | {p['analytic_lowrank_bytes']:,} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def segment_error_lines(report: dict[str, Any]) -> list[str]:
+    """KV error of reused segments by slot kind and by length (fidelity runs)."""
+    lines: list[str] = []
     lines += [
         "",
         "## KV error of reused segments by slot kind",
@@ -200,21 +222,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             for b in m.get("by_segment_length", {}).values()
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    pools = {k: m["pool"] for k, m in report["summary"].items() if "pool" in m}
-    if pools:
-        lines += [
-            "",
-            "## Anchor pools",
-            "",
-            "| method | anchors | measured bytes | analytic full-dimensional | analytic low-rank |",
-            "|---|---|---|---|---|",
-        ]
-        for label, p in pools.items():
-            lines.append(
-                f"| {label} | {p['anchors']} | {p['pool_bytes']:,} | "
-                f"{p['analytic_full_bytes']:,} | {p['analytic_lowrank_bytes']:,} |"
-            )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot_layer_errors(report: dict[str, Any], path: Path) -> None:
