@@ -5,8 +5,8 @@ pools first, as earlier traffic would in a running service. Then each demo quest
 through NonShared (fp32, the exact reference), KVCMAS, and NonShared in bf16 (the noise
 floor: the same dense computation, rounded differently). The summary puts every figure in
 context: TTFT beside request latency and compute seconds, and KVCMAS's agreement with the
-reference beside the noise floor's, measured two ways that wording cannot flip: first-token
-KL of every hop, and the letter chosen on multiple-choice questions.
+reference beside the noise floor's, both as identical final text (which one changed word
+flips) and as the first-token KL of every hop (which wording cannot flip).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import sys
 import time
 
 from kvcmas.eval.fidelity import FidelityObserver
-from kvcmas.eval.scoring import extract_mmlu_letter
 from kvcmas.eval.summary import mean, run_summary
 from kvcmas.methods import make_method
 from kvcmas.model.loader import load_model
@@ -30,23 +29,20 @@ WARMUP_QUESTIONS = (
     "How many continents are there on Earth?",
     "What is the largest mammal on Earth?",
 )
-# Multiple choice, so that the chosen letter can be compared where free wording differs.
 DEMO_QUESTIONS = (
-    "What is the capital of France?\nA. Berlin\nB. Madrid\nC. Paris\nD. Rome",
-    "Which gas do plants absorb from the air to make food?\n"
-    "A. Oxygen\nB. Carbon dioxide\nC. Nitrogen\nD. Helium",
-    "How many legs does a spider have?\nA. Six\nB. Eight\nC. Ten\nD. Four",
-    "What is the freezing point of water in Fahrenheit?\nA. 0\nB. 100\nC. 32\nD. 212",
+    "What is the capital of France?",
+    "Which gas do plants absorb from the air to make food?",
+    "How many legs does a spider have?",
+    "What is the freezing point of water in Fahrenheit?",
 )
 LABELS = ("NonShared fp32", "KVCMAS", "NonShared bf16")
 
 
 def _print_question(q: str, runs: dict[str, RequestResult]) -> None:
     base, ours = runs[LABELS[0]], runs[LABELS[1]]
-    print(f"\nQ: {q.splitlines()[0]}")
+    print(f"\nQ: {q}")
     for label, r in runs.items():
-        letter = extract_mmlu_letter(r.final_answer) or "-"
-        print(f"  {label:<15} answer ({letter}): {r.final_answer.strip()[:100]}")
+        print(f"  {label:<15} answer: {' '.join(r.final_answer.split())[:110]}")
     print(
         f"  {'agent':>9} {'TTFT NonShared':>15} {'TTFT KVCMAS':>12} {'rho':>5} "
         f"{'KL first':>9}  gate (entropy)"
@@ -64,27 +60,19 @@ def _print_question(q: str, runs: dict[str, RequestResult]) -> None:
         )
 
 
-def _agreement(results: list[RequestResult], reference: list[RequestResult]) -> str:
-    """Exact final text, and the chosen letter where the reference chose one."""
-    pairs = list(zip(results, reference, strict=True))
-    text = sum(a.final_answer == b.final_answer for a, b in pairs)
-    letters = [
-        (extract_mmlu_letter(a.final_answer), ref)
-        for a, b in pairs
-        if (ref := extract_mmlu_letter(b.final_answer)) is not None
-    ]
-    same = sum(a == b for a, b in letters)
-    return f"same text {text}/{len(pairs)}, same letter {same}/{len(letters)}"
+def _same_text(results: list[RequestResult], reference: list[RequestResult]) -> str:
+    same = sum(a.final_answer == b.final_answer for a, b in zip(results, reference, strict=True))
+    return f"{same}/{len(results)}"
 
 
 def _print_summary(results: dict[str, list[RequestResult]], pool_report: dict) -> None:
     reference = results[LABELS[0]]
     base = run_summary(reference)
     print("\nSummary over the demo questions (reference: NonShared fp32)")
-    print(f"  {'':<16}{'answers vs reference':<36}{'KL first, hops 2+':>18}")
+    print(f"  {'':<16}{'same final text':>16}{'mean first-token KL, hops 2+':>31}")
     for label in LABELS[1:]:
         kl = mean(h.fidelity["first_token_kl"] for r in results[label] for h in r.hops[1:])
-        print(f"  {label:<16}{_agreement(results[label], reference):<36}{kl:>18.4f}")
+        print(f"  {label:<16}{_same_text(results[label], reference):>16}{kl:>31.4f}")
     print("  (NonShared bf16 is the noise floor: dense prefill, only rounding differs)")
     ours = run_summary(results[LABELS[1]])
     print(
@@ -96,7 +84,7 @@ def _print_summary(results: dict[str, list[RequestResult]], pool_report: dict) -
         f"  request latency:  NonShared {base['latency_request_mean_s']:.2f} s, "
         f"KVCMAS {ours['latency_request_mean_s']:.2f} s "
         f"({ours['latency_request_mean_s'] / base['latency_request_mean_s']:.2f}x), plus "
-        f"{ours['background_request_mean_s']:.2f} s of anchor work after each answer"
+        f"{ours['background_request_mean_s'] * 1000:.0f} ms of anchor work after each answer"
     )
     print(
         f"  compute (CPU s):  NonShared {base['compute_s']:.1f}, KVCMAS {ours['compute_s']:.1f} "
