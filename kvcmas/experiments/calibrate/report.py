@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments import common
-from kvcmas.experiments.cells import fmt, pair
+from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
 
 COLUMNS = (
     "| run | rho | recompute | reused of matched | error / FullShared | KV err | KL first "
-    "| final agree | TTFT s | TTFT / NS | latency s (/NS) | compute s (/NS) | anchors (max/pool) "
-    "| pool KiB |"
+    f"| final agree | {COST_HEADER} | anchors (max/pool) | pool KiB |"
 )
 
 
@@ -20,13 +19,10 @@ def row(label: str, m: dict[str, Any]) -> str:
     anchors = f"{m['anchors']} ({m['pool_anchors_max']})" if "anchors" in m else "-"
     pool = f"{m['pool_bytes'] / 1024:.0f}" if "pool_bytes" in m else "-"
     return (
-        f"| {label} | {pair(m, 'rho_{}', '.2f')} | {pair(m, 'recompute_{}', '.2f')}"
+        f"| {label} | {reuse_cells(m)}"
         f" | {fmt(m.get('reuse_share_of_matched'), '.2f')} | {fmt(m.get('error_ratio'))}"
         f" | {pair(m, 'kv_error_{}_mean', '.4f')} | {pair(m, 'first_token_kl_{}_mean', '.4f')}"
-        f" | {fmt(m.get('final_agreement'), '.2f')} | {pair(m, 'ttft_{}_mean_s')}"
-        f" | {fmt(m.get('ttft_later_ratio'), '.2f')}"
-        f" | {fmt(m.get('latency_request_mean_s'))} ({fmt(m.get('latency_ratio'), '.2f')})"
-        f" | {fmt(m.get('compute_s'), '.1f')} ({fmt(m.get('compute_ratio'), '.2f')})"
+        f" | {fmt(m.get('final_agreement'), '.2f')} | {cost_cells(m)}"
         f" | {anchors} | {pool} |"
     )
 
