@@ -261,3 +261,7 @@ def test_ablation_rank_and_pool_size_run_online(tiny, runs, tmp_path):
     assert set(written) == {"rank_pool_error.png", "rank_pool_bytes.png", "tau.png",
                             "scale_agents.png"}  # fmt: skip
     assert all((tmp_path / f).read_bytes().startswith(PNG) for f in written)
+    from tests.fake_runs import png_size
+
+    tau_width = png_size(tmp_path / "tau.png")[0]
+    assert png_size(tmp_path / "scale_agents.png")[0] > 2.5 * tau_width  # TTFT, latency, compute

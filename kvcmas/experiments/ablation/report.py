@@ -11,6 +11,7 @@ from kvcmas.experiments import common
 from kvcmas.experiments.ablation.plan import DEFAULT_POOL, DEFAULT_RANK
 from kvcmas.experiments.calibrate.report import COLUMNS, row
 from kvcmas.experiments.cells import fmt
+from kvcmas.experiments.plots import line_panels
 from kvcmas.methods.kvcmas import DEFAULT_TAU
 
 RULE = "|" + "---|" * (COLUMNS.count("|") - 1)
@@ -112,11 +113,18 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         rows = [r for r in results.get("scale", []) if r["axis"] == axis]
         if not rows:
             continue
-        series = {}
-        for m in ("nonshared", "kvcmas"):
-            mine = [r for r in rows if r["method"] == m]
-            series[m] = ([r["value"] for r in mine], [r["ttft_later_mean_s"] for r in mine])
+        panels = []
+        for key, ylabel in (
+            ("ttft_later_mean_s", "mean TTFT of hops 2+ (s)"),
+            ("latency_request_mean_s", "request latency (s)"),
+            ("compute_s", "compute (CPU s)"),
+        ):
+            series = {}
+            for m in ("nonshared", "kvcmas"):
+                mine = [r for r in rows if r["method"] == m]
+                series[m] = ([r["value"] for r in mine], [r[key] for r in mine])
+            panels.append((ylabel, series))
         fname = f"scale_{axis}.png"
-        common.line_plot(out / fname, series, axis, "mean TTFT of hops 2+ (s)", title)
+        line_panels(out / fname, panels, axis, title)  # TTFT never without its costs
         written.append(fname)
     return written
