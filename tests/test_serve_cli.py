@@ -385,7 +385,7 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
     from kvcmas.serve.client import EngineClient, load_model_side
 
     port = _free_port()
-    log = tmp_path / "server.log"
+    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / "server.log"))
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvcmas.cli", "serve", "--method", "exact", "--port",
@@ -446,7 +446,9 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
         assert proc.wait(timeout=120) == 0
         assert "kvcmas serve: stopped" in proc.stdout.read()
         assert wait_gone(tree, timeout_s=30) == set()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # the port is free again
+        with socket.socket() as s:  # no one listens on the port any more (TIME_WAIT is fine)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
     finally:
         kill_all(proc, tree)

@@ -69,8 +69,11 @@ def check_port(port: int, host: str) -> int:
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is out of range (0-65535; 0 picks a free port)")
     with socket.socket() as s:
+        # As the server binds: connections of an earlier server in TIME_WAIT do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+            s.listen()
         except OSError as err:
             raise UsageError(f"--port {port} on {host} is not available: {err.strerror}") from None
         return s.getsockname()[1]
