@@ -185,11 +185,14 @@ def test_gate_at_intermediate_tau_reuses_exactly_below_the_entropy(tiny_pair):
 
 
 @pytest.mark.parametrize("mode", ["thread", "inline"])
-def test_background_modes_build_the_same_caches_as_idle(tiny_pair, mode):
+def test_background_modes_build_the_same_caches_as_idle(tiny_pair, mode, request):
     """Where anchors are factorized (idle time, a worker thread, inline) changes no result."""
     _, model = tiny_pair
     queries = [torch.randint(30, 128, (9 + i,)).tolist() for i in range(5)]
     outs = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a worker thread must follow the caller's count, not its default
+    request.addfinalizer(lambda: torch.set_num_threads(before))
     for background in ("idle", mode):
         kv = make_method(
             "kvcmas", tau=0.99, min_anchors=2, rank=3, base_rank=3, background=background

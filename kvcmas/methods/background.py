@@ -20,6 +20,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+import torch
+
 MODES = ("idle", "thread", "inline")
 
 
@@ -51,7 +53,12 @@ class BackgroundWork:
             self._jobs.append((key, job))
             self._lock.notify_all()
         if self.mode == "thread" and self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name="kvcmas-anchors", daemon=True)
+            # The worker uses the submitter's torch thread count: a new thread's OpenMP team
+            # may default to another size, which changes the SVD's rounding.
+            threads = torch.get_num_threads()
+            self._worker = threading.Thread(
+                target=self._serve, args=(threads,), name="kvcmas-anchors", daemon=True
+            )
             self._worker.start()
 
     def pending(self, key: Hashable | None = None) -> int:
@@ -100,7 +107,8 @@ class BackgroundWork:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _serve(self) -> None:
+    def _serve(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         while True:
             with self._lock:
                 while not self._jobs:
