@@ -56,7 +56,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_forward(args: argparse.Namespace) -> int:
-    from kvcmas.experiments.forward_speed import machine_description, measure_prefill
+    from kvcmas.experiments.forward_speed import measure_prefill
+    from kvcmas.experiments.machine import machine_description
 
     lengths = tuple(int(x) for x in args.lengths.split(","))
     print(f"prefill throughput, model {args.model}, machine: {machine_description()}")

@@ -12,7 +12,7 @@ import torch
 from kvcmas.chat import tokenize
 from kvcmas.cli import build_parser
 from kvcmas.errors import UsageError
-from kvcmas.eval.calibrate_replay import EdgePair
+from kvcmas.eval.anchor_pairs import EdgePair
 from kvcmas.eval.summary import run_summary
 from kvcmas.experiments import (
     EXPERIMENT_MODULES,

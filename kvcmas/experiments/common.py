@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments.machine import machine_description
-from kvcmas.experiments.plots import line_plot  # noqa: F401 - re-exported: ablation, calibrate
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel
 from kvcmas.workflow.runner import RequestResult, Runner

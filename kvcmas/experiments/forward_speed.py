@@ -6,11 +6,7 @@ import time
 
 import torch
 
-# machine_description is re-exported: `kvcmas bench forward` prints it from here.
-from kvcmas.experiments.machine import machine_description
 from kvcmas.model.loader import load_model, parse_dtype
-
-__all__ = ["machine_description", "measure_prefill"]
 
 
 def _best_of_interleaved(fns: dict, repeats: int) -> dict[str, float]:

@@ -11,7 +11,7 @@ from kvcmas.experiments import common
 from kvcmas.experiments.ablation.plan import DEFAULT_POOL, DEFAULT_RANK
 from kvcmas.experiments.calibrate.report import COLUMNS, row
 from kvcmas.experiments.cells import fmt
-from kvcmas.experiments.plots import line_panels
+from kvcmas.experiments.plots import line_panels, line_plot
 from kvcmas.methods.kvcmas import DEFAULT_TAU
 
 RULE = "|" + "---|" * (COLUMNS.count("|") - 1)
@@ -93,7 +93,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
                     [m.get(key) for m in by_pool],
                 ),
             }
-            common.line_plot(out / fname, series, "r or V", ylabel, title, logx=True, logy=logy)
+            line_plot(out / fname, series, "r or V", ylabel, title, logx=True, logy=logy)
             written.append(fname)
     if "tau" in results:
         rows = results["tau"]
@@ -107,7 +107,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
                 ("final agreement with NonShared", "final_agreement"),
             )
         }
-        common.line_plot(out / "tau.png", series, "tau", "value", title)
+        line_plot(out / "tau.png", series, "tau", "value", title)
         written.append("tau.png")
     for axis in ("agents", "rounds"):
         rows = [r for r in results.get("scale", []) if r["axis"] == axis]

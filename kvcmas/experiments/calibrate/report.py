@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcmas.experiments import common
 from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
+from kvcmas.experiments.plots import line_plot
 
 COLUMNS = (
     "| run | rho | recompute | reused of matched | error / FullShared | KV err | KL first "
@@ -64,7 +65,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         xs.append(m["rho_later"])
         ys.append(m["error_ratio"])
     title = f"{s['model']} {s['dtype']}, {s['workflow']}, {s['limit']} {s['requests']} requests"
-    common.line_plot(
+    line_plot(
         out / "calibration.png",
         series,
         "rho, hops 2+ (shared tokens served from a source; tau sweep)",

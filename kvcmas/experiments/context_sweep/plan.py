@@ -119,6 +119,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--agents must be in 2..{len(ROLES)}")
 
 
+def trace_fields(args, sizes: list[int]) -> dict:
+    """The trace's sizes and shape, as every results setup of a trace experiment states them
+    (the context sweep and the pareto share these flags)."""
+    return {
+        "sizes": sizes,
+        "requested_sizes": args.sizes,
+        "agents": args.agents,
+        "output_tokens": args.output_tokens,
+        "warmup_requests": args.warmup,
+        "measured_requests": args.measure,
+        "source": args.source,
+    }
+
+
 def smoke_args(out_dir: str | Path) -> list[str]:
     return [
         "--sizes", "32,64",

@@ -18,6 +18,7 @@ from kvcmas.experiments.context_sweep.plan import (
     cap_sizes,
     method_order,
     overhead_tokens,
+    trace_fields,
     trace_workflow,
 )
 from kvcmas.methods import make_method
@@ -104,13 +105,7 @@ def sweep(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         "setup": common.setup(
             loaded,
             args.dtype,
-            sizes=sizes,
-            requested_sizes=args.sizes,
-            agents=args.agents,
-            output_tokens=args.output_tokens,
-            warmup_requests=args.warmup,
-            measured_requests=args.measure,
-            source=args.source,
+            **trace_fields(args, sizes),
         ),
         "context_limit": loaded.config.max_position,
         "non_doc_tokens_max": overhead,

@@ -3,7 +3,7 @@
 Three families of ``n x D`` matrices per layer (layers 1..L-1, canonical frame, K and V apart):
 
 * **delta**: ``dense - source`` of slot contents (query, agent outputs), from the (source,
-  dense) pairs that :func:`kvcmas.eval.calibrate_replay.collect_pairs` records on a calibration
+  dense) pairs that :func:`kvcmas.eval.anchor_pairs.collect_pairs` records on a calibration
   stream (the anchors' deltas);
 * **base**: the source caches of the same pairs (the anchors' bases);
 * **prefix-induced (PF)**: recurring private text. The same glue text (``"Notes from the

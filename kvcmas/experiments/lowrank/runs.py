@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvcmas.chat import render_segments, tokenize
-from kvcmas.eval.calibrate_replay import EdgePair
+from kvcmas.eval.anchor_pairs import EdgePair
 from kvcmas.experiments import common
 from kvcmas.experiments.lowrank.claims import claims
 from kvcmas.experiments.lowrank.plan import GLUE_TEXTS, LONG_SEGMENT
@@ -97,7 +97,7 @@ def families_from_deviations(
 
 
 def analyse(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from kvcmas.eval.calibrate_replay import collect_pairs
+    from kvcmas.eval.anchor_pairs import collect_pairs
     from kvcmas.eval.requests import load_requests
     from kvcmas.eval.tasks import load_workflow
     from kvcmas.model.loader import load_model

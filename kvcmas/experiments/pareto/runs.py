@@ -22,6 +22,7 @@ from kvcmas.experiments.context_sweep.plan import (
     DOC_SLOT,
     cap_sizes,
     overhead_tokens,
+    trace_fields,
     trace_workflow,
 )
 from kvcmas.experiments.context_sweep.runs import keeps_state
@@ -124,13 +125,7 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         "setup": common.setup(
             reference,
             f"fidelity fp32, timing {'none' if args.no_timing else args.dtype}",
-            sizes=sizes,
-            requested_sizes=args.sizes,
-            agents=args.agents,
-            output_tokens=args.output_tokens,
-            warmup_requests=args.warmup,
-            measured_requests=args.measure,
-            source=args.source,
+            **trace_fields(args, sizes),
         ),
         "capped": {str(k): v for k, v in capped.items()},
         "sizes": by_size,
