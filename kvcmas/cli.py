@@ -145,14 +145,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcmas.serve.launch import ServeConfig, check_method, check_port, check_sizes, serve
 
     # Every argument is checked before the model is resolved (a first use converts it).
-    check_method(args.method)
+    options = method_options(args)
+    check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
-                max_model_len=args.max_model_len)
+                max_model_len=args.max_model_len, min_span=args.min_span)
     port = check_port(args.port, args.host)
     name, folder = resolve(args.model)
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
-        args.store_bytes, args.max_model_len,
+        args.store_bytes, args.max_model_len, options, args.min_span,
     )
     return serve(cfg)
 
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
     add_model_args(s)
-    s.add_argument("--method", required=True, help="how the connector builds KV: exact")
+    s.add_argument("--method", required=True, help="how the connector builds shared spans: "
+                   "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store-bytes", type=int, default=DEFAULT_STORE_BYTES,
                    help="bound of the connector's span store (saved sources)")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--min-span", type=int, default=None,
+                   help="shortest shared span the connector reuses, in tokens (default 32)")
+    add_method_args(s)
     s.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks and experiments")

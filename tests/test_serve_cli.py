@@ -54,8 +54,11 @@ def no_model(monkeypatch):
         (["--method", "kvcmass"], "--method 'kvcmass' is not served: there is no such method"),
         (["--method", "droidspeak"], "'droidspeak' is not served: it needs hidden states"),
         (["--method", "relaycaching"], "'relaycaching' is not served: it needs hidden states"),
-        (["--method", "kvcmas"], "'kvcmas' is not served: the connector does not build it yet"),
-        (["--method", "fullshared"], "'fullshared' is not served"),
+        (["--method", "graphflow"], "'graphflow' is not served: it is outside the connector's"),
+        (["--method", "kvcmas", "--tau", "-1"], "tau must be >= 0"),
+        (["--method", "cacheblend", "--tau", "0.5"], "cacheblend"),
+        (["--method", "exact", "--tau", "0.5"], "--method exact takes no options, got tau"),
+        (["--method", "kvcmas", "--min-span", "0"], "--min-span must be a positive"),
         (["--method", "exact", "--port", "70000"], "--port 70000 is out of range"),
         (["--method", "exact", "--port", "-1"], "--port -1 is out of range"),
         (["--method", "exact", "--dtype", "fp16"], "unknown dtype 'fp16'"),
@@ -68,7 +71,7 @@ def test_serve_refuses_bad_arguments_by_name(no_model, capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err
     if "not served" in message:
-        assert "(supported: exact)" in err
+        assert "(supported: exact, nonshared, fullshared, kvcmas, kvcomm, cacheblend, " in err
 
 
 def test_serve_refuses_a_port_in_use(no_model, capsys):
@@ -89,8 +92,8 @@ def test_serve_rejects_a_non_numeric_port(no_model, capsys):
 
 def test_run_on_the_engine_refuses_what_it_cannot_do(no_model, capsys):
     base = ["run", "--engine", "vllm", "--workflow", "chain4", "--question", "Why?"]
-    assert cli.main([*base, "--method", "kvcmas"]) == 2
-    assert "--method 'kvcmas' cannot run on the vLLM engine" in capsys.readouterr().err
+    assert cli.main([*base, "--method", "droidspeak"]) == 2
+    assert "--method 'droidspeak' cannot run on the vLLM engine" in capsys.readouterr().err
     assert cli.main([*base, "--method", "exact", "--compare"]) == 2
     assert "--compare needs the local engine" in capsys.readouterr().err
     assert cli.main([*base, "--method", "exact", "--tau", "0.9"]) == 2
@@ -110,7 +113,12 @@ def test_server_command_configures_connector_middleware_and_cpu():
     assert cmd[cmd.index("--middleware") + 1] == "kvcmas.serve.http.KvcmasMiddleware"
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_module_path"] == "kvcmas.serve.connector"
-    assert kv["kv_connector_extra_config"] == {"method": "exact", "store_bytes": 7 << 20}
+    assert kv["kv_connector_extra_config"] == {
+        "method": "exact", "store_bytes": 7 << 20, "method_config": {}}
+    cfg = ServeConfig(Path("/m"), "m", "kvcmas", method_options={"tau": "0.9"}, min_span=40)
+    extra = json.loads(server_command(cfg)[server_command(cfg).index("--kv-transfer-config")
+                                           + 1])["kv_connector_extra_config"]
+    assert extra["method_config"] == {"tau": "0.9"} and extra["min_span"] == 40
     assert flags  # pairs parsed: the command is flag/value shaped
     env = server_env(Path("/tmp/stats.json"))
     assert env["KVCMAS_STATS_FILE"] == "/tmp/stats.json"

@@ -144,7 +144,10 @@ def server(tmp_path_factory):
         "kv_connector": "KvcmasConnector",
         "kv_connector_module_path": "kvcmas.serve.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store_bytes": STORE_BYTES},
+        # The server's method is KVCMAS reusing whenever anchors exist (tau 1), so a short
+        # stream shows reuse; each test names its method per request ("exact" by default).
+        "kv_connector_extra_config": {"store_bytes": STORE_BYTES, "method": "kvcmas",
+                                      "method_config": {"tau": 1.0}},
     }
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -209,10 +212,13 @@ class Answer:
         return self.cached_tokens - self.kvcmas.get("claimed_tokens", 0)
 
 
-def complete(server: Server, ids: list[int], session=None, salt=None, noise=None, max_tokens=8):
+def complete(server: Server, ids: list[int], session=None, salt=None, noise=None, max_tokens=8,
+             method="exact", agent="tester", namespace=None):
     extra: dict = {"return_token_ids": True}
     if session is not None:
-        params = {"session": session, "agent": "tester"}
+        params = {"session": session, "agent": agent, "method": method}
+        if namespace is not None:
+            params["namespace"] = namespace
         if noise is not None:
             params["test_noise_std"] = noise
         extra["kv_transfer_params"] = {"kvcmas": params}
@@ -355,3 +361,118 @@ def test_store_stays_within_its_byte_bound(server):
     s = wait_for_saves(server, answer.kvcmas["saved_requests_total"])
     assert s["dropped_requests"] > 0
     assert 0 < s["store_bytes"] <= STORE_BYTES
+
+
+# ------------------------------------------------------- methods building shared spans
+
+
+def tokens(server: Server, text: str) -> list[int]:
+    return server.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def agent_prompt(server: Server, role: str, doc: list[int], question: str) -> list[int]:
+    """An agent's prompt: its own opening, a shared document, its own question."""
+    return tokens(server, f"You are the {role}. Notes follow.\n") + doc + tokens(
+        server, f"\nQuestion for the {role}: {question}")
+
+
+def build_of(server: Server, answer_ids: str) -> dict:
+    """The worker's record of the range it built for the request whose id contains this."""
+    builds = [b for b in stats(server)["builds"] if answer_ids in b["request_id"]]
+    assert len(builds) == 1, builds
+    return builds[0]
+
+
+def complete_as(server, ids, session, agent, method, namespace=None, max_tokens=8):
+    """Like complete(), with a request id the test knows (to find the worker's build)."""
+    rid = f"t-{uuid.uuid4().hex[:12]}"
+    params = {"session": session, "agent": agent, "method": method}
+    if namespace:
+        params["namespace"] = namespace
+    r = server.client.completions.create(
+        model=server.model, prompt=[ids], max_tokens=max_tokens, temperature=0, logprobs=1,
+        extra_body={"return_token_ids": True, "kv_transfer_params": {"kvcmas": params}},
+        extra_headers={"X-Request-Id": rid},
+    )
+    choice = r.choices[0]
+    return rid, Answer(
+        tokens=choice.logprobs.tokens,
+        token_ids=list(choice.model_extra["token_ids"]),
+        logprobs=np.array(choice.logprobs.token_logprobs),
+        kvcmas=((r.model_extra or {}).get("kv_transfer_params") or {}).get("kvcmas", {}),
+        cached_tokens=r.usage.prompt_tokens_details.cached_tokens or 0,
+    )
+
+
+@pytest.mark.vllm
+def test_a_span_of_another_agents_prompt_is_found_and_reused(server):
+    """FullShared: the document the analyst read is found in the critic's prompt by token
+    matching, at another position, and served from the analyst's KV (all layers reused)."""
+    doc = prompt_ids(server, "Theta", facts=8)
+    first = agent_prompt(server, "analyst", doc, "What flows where?")
+    second = agent_prompt(server, "critic", doc, "Which lake is largest?")
+    complete_as(server, first, "S-span", "analyst", "fullshared")
+    rid, answer = complete_as(server, second, "S-span", "critic", "fullshared")
+    assert answer.kvcmas["spans"] == 1 and answer.kvcmas["span_tokens"] >= len(doc)
+    assert answer.kvcmas["claimed_tokens"] >= answer.kvcmas["span_tokens"]
+    built = build_of(server, rid)
+    [span] = built["spans"]
+    assert span["decision"] == "reuse" and span["served_tokens"] == span["length"]
+    assert span["slot"] == "in:analyst"  # first seen in the analyst's prompt
+    reference = plain(server, second)
+    # The reused KV was computed after another opening: the model reads something else.
+    assert float(np.max(np.abs(answer.logprobs - reference.logprobs))) > 1e-4
+
+    # Approximate KV never reaches an exact request: a plain request with the same prompt
+    # (no salt) gets nothing from the session's blocks and matches plain vLLM exactly.
+    exact = complete(server, second)
+    assert exact.cached_tokens == 0 and exact.kvcmas == {}
+    assert float(np.max(np.abs(exact.logprobs - reference.logprobs))) < 1e-5
+
+
+@pytest.mark.vllm
+def test_kvcmas_runtime_inside_the_claim_agrees_with_vllm(server):
+    """Method "nonshared": the connector's runtime prefills the claimed range densely (the
+    critic's opening and the document) in another process than vLLM's forward; vLLM
+    continues from that KV. Its answer equals plain vLLM's to fp32 rounding."""
+    doc = prompt_ids(server, "Iota", facts=8)
+    first = agent_prompt(server, "analyst", doc, "What flows where?")
+    second = agent_prompt(server, "critic", doc, "Which lake is largest?")
+    complete_as(server, first, "S-dense", "analyst", "nonshared")
+    rid, answer = complete_as(server, second, "S-dense", "critic", "nonshared", max_tokens=16)
+    built = build_of(server, rid)
+    assert built["start"] == 0 and built["end"] >= len(doc)
+    assert [s["decision"] for s in built["spans"]] == ["dense"]
+    reference = plain(server, second, max_tokens=16)
+    diff = float(np.max(np.abs(answer.logprobs - reference.logprobs)))
+    print(f"max |logprob difference|, {built['end']} tokens built by kvcmas's runtime: {diff:.3g}")
+    assert answer.token_ids == reference.token_ids
+    assert diff < 1e-3
+
+
+@pytest.mark.vllm
+def test_kvcmas_pools_learn_within_a_namespace_only(server):
+    """A stream of sessions (analyst, then critic, each on its own document): the critic's
+    first spans are prefilled densely and become anchors; later ones are reused, corrected.
+    Another namespace starts from empty pools."""
+    decisions = []
+    for i in range(4):
+        doc = prompt_ids(server, f"Kappa{i}", facts=6)
+        session = f"S-pool-{i}"
+        complete_as(server, agent_prompt(server, "analyst", doc, "Summarize."), session,
+                    "analyst", "kvcmas", namespace="N1")
+        rid, answer = complete_as(server, agent_prompt(server, "critic", doc, "Any error?"),
+                                  session, "critic", "kvcmas", namespace="N1")
+        [span] = build_of(server, rid)["spans"]
+        decisions.append((span["decision"], span["served_tokens"]))
+    assert decisions[0] == ("dense", 0)  # nothing learned yet
+    assert decisions[-1][0] in ("reuse", "partial") and decisions[-1][1] > 0, decisions
+    doc = prompt_ids(server, "Kappa0", facts=6)
+    complete_as(server, agent_prompt(server, "analyst", doc, "Summarize."), "S-pool-x",
+                "analyst", "kvcmas", namespace="N2")
+    rid, _ = complete_as(server, agent_prompt(server, "critic", doc, "Any error?"), "S-pool-x",
+                         "critic", "kvcmas", namespace="N2")
+    [span] = build_of(server, rid)["spans"]
+    assert span["decision"] == "dense"  # N1's anchors are not N2's
+    s = stats(server)
+    assert s["namespaces"] >= 2 and s["method_state_bytes"] > 0

@@ -88,8 +88,8 @@ class SegmentRecord:
 
 @dataclass
 class HopBuild:
-    cache: KVCache  # the full prompt's KV
-    last_logits: torch.Tensor  # float32 logits of the prompt's last token
+    cache: KVCache  # the full prompt's KV (in the connector: up to the built range's end)
+    last_logits: torch.Tensor | None  # float32 logits of the last token (None: connector)
     records: list[SegmentRecord]
 
 
@@ -135,6 +135,17 @@ class Method(ABC):
 
     def build(self, hop: Hop, model: Transformer, cache: KVCache) -> HopBuild:
         """Extend ``cache`` (holding the system prefix) with the rest of the hop's prompt."""
+        records, logits = self.build_segments(hop, model, cache)
+        if logits is None:
+            raise ValueError("a hop's prompt must end with private text (the generation prompt)")
+        return HopBuild(cache, logits, records)
+
+    def build_segments(
+        self, hop: Hop, model: Transformer, cache: KVCache
+    ) -> tuple[list[SegmentRecord], torch.Tensor | None]:
+        """Extend ``cache`` with ``hop.segments[1:]``; returns the records and the logits of the
+        last token when the last segment is private text. The serving connector builds a
+        range that ends with a shared span this way (the engine computes the rest)."""
         records: list[SegmentRecord] = []
         logits = None
         for seg in hop.segments[1:]:
@@ -148,9 +159,7 @@ class Method(ABC):
                 logits = model.prefill(seg.tokens, cache)
                 pairs = len(seg) * model.config.n_layers
                 records.append(SegmentRecord(None, "private", start, len(seg), "dense", pairs))
-        if logits is None:
-            raise ValueError("a hop's prompt must end with private text (the generation prompt)")
-        return HopBuild(cache, logits, records)
+        return records, logits
 
     @abstractmethod
     def build_shared(

@@ -1,34 +1,42 @@
-"""A vLLM KV connector that re-injects the exact saved KV of earlier requests of a session.
+"""A vLLM KV connector that serves shared spans of a session's prompts with kvcmas's methods.
 
 Load it with::
 
     --kv-transfer-config '{"kv_connector":"KvcmasConnector",
                            "kv_connector_module_path":"kvcmas.serve.connector",
-                           "kv_role":"kv_both"}'
+                           "kv_role":"kv_both",
+                           "kv_connector_extra_config":{"method":"kvcmas"}}'
     --middleware kvcmas.serve.http.KvcmasMiddleware   # HTTP 400, session salt, /kvcmas/stats
 
-Flow (this spike's "exact source" behaviour):
+Flow:
 
 * A request carrying ``kv_transfer_params={"kvcmas": {"session": ..., "agent": ...}}`` is saved
-  when it finishes: ``request_finished`` (scheduler) indexes its tokens and keeps its blocks
-  alive (returns ``True``); the next step's metadata tells the worker to copy the blocks'
-  KV into the span store, and ``get_finished`` then releases the blocks.
-* A later request of the same session whose prompt shares a prefix with a saved request, beyond
-  vLLM's locally computed prefix, has that run claimed in ``get_num_new_matched_tokens`` and
-  written into its blocks by the worker before the forward (``start_load_kv``). A shared prefix
-  makes the saved KV exact: the KV of token ``p`` depends only on tokens ``0..p``.
+  when it finishes: ``request_finished`` (scheduler) indexes its tokens (prompt and output) and
+  keeps its blocks alive (returns ``True``); the next step's metadata tells the worker to copy
+  the blocks' KV into the span store, and ``get_finished`` then releases the blocks.
+* At admission of a later request of the session, :func:`kvcmas.serve.claims.plan_claim`
+  decides the claim: an exact run continuing a saved request, then (for every method but
+  ``exact``) each span of the prompt that equals tokens of an earlier prompt or output of the
+  session, up to the last such span.
+* The worker fills the claim before the forward (``start_load_kv``): an exact run is copied; a
+  range with spans is built by the method with kvcmas's own runtime on the same weights
+  (:func:`kvcmas.serve.range_builder.build_range`), which holds a second copy of the weights
+  in the worker (the model's size in its dtype: 0.5 GiB for SmolLM2-135M in fp32).
 * Everything else is plain vLLM.
 
-Extra config (``kv_connector_extra_config``): ``store_bytes`` (bound of the span store,
-default 512 MiB), ``method`` (one of ``CONNECTOR_METHODS``; default ``exact``). Env
-``KVCMAS_STATS_FILE``: where the worker writes its counters as JSON (from startup on, with the
-method, so a client can check what the server does).
+Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_METHODS``;
+default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
+``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``store_bytes`` (bound of
+the span store, default 512 MiB). Env ``KVCMAS_STATS_FILE``: where the worker writes its
+counters as JSON (from startup on, with the method, so a client can check what it serves).
+Anchor pools learn per namespace (tenant): one method object per namespace, sharing nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
 from kvcmas.serve.paged_layout import read_span, write_span
@@ -50,6 +59,7 @@ from kvcmas.serve.params import (
     KvcmasParamsError,
     parse_kvcmas_params,
 )
+from kvcmas.serve.range_builder import RangePlan, build_range
 from kvcmas.serve.span_store import SpanIndex, SpanStore
 
 if TYPE_CHECKING:
@@ -61,11 +71,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvcmas.methods.base import Method
+
 logger = init_logger("vllm.kvcmas.connector")  # under "vllm": printed by its handlers
 
 DEFAULT_STORE_BYTES = 512 << 20
 # Only requests that ran to their end are saved (an aborted one's last step may be unwritten).
 _SAVED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_RECENT = 100  # entries kept in the stats' logs of recent injections and builds
 
 
 @dataclass
@@ -78,11 +91,9 @@ class SaveOrder:
 
 @dataclass
 class LoadOrder:
-    request_id: str
-    key: str
-    block_ids: list[int]
-    start: int
-    length: int
+    """Fill a claim: ``plan`` says what (an exact copy, or a range a method builds)."""
+
+    plan: RangePlan
     noise_std: float = 0.0
 
 
@@ -93,6 +104,23 @@ class KvcmasConnectorMetadata(KVConnectorMetadata):
     drops: list[str] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
+
+
+def session_key(params: KvcmasParams) -> str:
+    """Sessions are scoped by namespace: two tenants using one session id never mix."""
+    return json.dumps([params.namespace, params.session])
+
+
+def layer_order(names) -> list[str]:
+    """vLLM's attention layer names in model order (``model.layers.<i>.self_attn.attn``)."""
+
+    def index(name: str) -> int:
+        found = re.search(r"\.(\d+)\.", name)
+        if found is None:
+            raise ValueError(f"KvcmasConnector: no layer index in attention layer {name!r}")
+        return int(found.group(1))
+
+    return sorted(names, key=index)
 
 
 class KvcmasConnector(KVConnectorBase_V1):
@@ -110,28 +138,39 @@ class KvcmasConnector(KVConnectorBase_V1):
             )
         spec = groups[0].kv_cache_spec
         self.block_size: int = spec.block_size
-        self.method = str(self._kv_transfer_config.get_from_extra_config("method", "exact"))
+        extra = self._kv_transfer_config.get_from_extra_config
+        self.method = str(extra("method", "exact"))
         if self.method not in CONNECTOR_METHODS:
             raise ValueError(
                 f"KvcmasConnector: method {self.method!r} is not supported "
                 f"(supported: {', '.join(CONNECTOR_METHODS)})"
             )
+        self.method_options: dict[str, Any] = dict(extra("method_config", None) or {})
+        if self.method != "exact":
+            from kvcmas.methods import make_method
+
+            make_method(self.method, self.method_options)  # bad options fail at startup
         if role == KVConnectorRole.SCHEDULER:
             bytes_per_token = spec.page_size_bytes // spec.block_size * len(groups[0].layer_names)
-            capacity = int(self._kv_transfer_config.get_from_extra_config(
-                "store_bytes", DEFAULT_STORE_BYTES))
+            capacity = int(extra("store_bytes", DEFAULT_STORE_BYTES))
+            self.min_span = int(extra("min_span", DEFAULT_MIN_SPAN))
             self.index = SpanIndex(capacity, bytes_per_token)
-            self._claims: dict[str, tuple[str, int, int, float]] = {}  # req -> key, start, len
-            self._claimed_tokens: dict[str, int] = {}
+            self._claims: dict[str, tuple[Claim, KvcmasParams]] = {}
+            self._claimed: dict[str, Claim] = {}  # admitted claims, until the request ends
             self._pending = KvcmasConnectorMetadata()
             self._saves_ordered = 0
             self._warned_unsalted = False
         else:
             self.store = SpanStore()
             self.kv_caches: dict[str, torch.Tensor] = {}
+            self._layers: list[str] = []
+            self._loaded = None  # kvcmas's runtime on the same weights, loaded on first use
+            self._methods: dict[str, Method] = {}  # per namespace: pools never cross tenants
             self._finished_saving: set[str] = set()
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
-                           "injected_tokens": 0, "dropped_requests": 0, "injections": []}
+                           "injected_tokens": 0, "dropped_requests": 0, "built_requests": 0,
+                           "span_tokens": 0, "served_tokens": 0, "computed_pairs": 0,
+                           "dense_pairs": 0, "injections": [], "builds": []}
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -150,34 +189,39 @@ class KvcmasConnector(KVConnectorBase_V1):
         if params is None:
             return 0, False
         if request.cache_salt is None and not self._warned_unsalted:
-            # Loaded KV enters vLLM's prefix cache under the request's salt. Exact KV is
-            # harmless there, but approximate KV (the full connector) must stay per session.
+            # Loaded KV enters vLLM's prefix cache under the request's salt: approximate KV
+            # must stay within its session, never reach another session or a plain request.
             logger.warning("kvcmas request without cache_salt: start the server with "
                            "--middleware kvcmas.serve.http.KvcmasMiddleware to salt by session")
             self._warned_unsalted = True
-        match = self.index.longest_prefix(params.session, request.prompt_token_ids)
-        if match is None:
+        method = params.method or self.method
+        claim = plan_claim(
+            self.index, session_key(params), request.prompt_token_ids, num_computed_tokens,
+            with_spans=method != "exact", min_span=self.min_span,
+        )  # fmt: skip
+        if claim is None:
+            self._claims.pop(request.request_id, None)
             return 0, False
-        # vLLM must compute at least the last prompt token itself, to sample from its logits.
-        usable = min(match.length, request.num_prompt_tokens - 1)
-        claim = usable - num_computed_tokens
-        if claim <= 0:
-            return 0, False
-        self._claims[request.request_id] = (
-            match.key, num_computed_tokens, claim, params.test_noise_std)
-        return claim, False
+        self._claims[request.request_id] = (claim, params)
+        return claim.length, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        claim = self._claims.pop(request.request_id, None)
-        if num_external_tokens == 0 or claim is None:
+        pending = self._claims.pop(request.request_id, None)
+        if num_external_tokens == 0 or pending is None:
             return
-        key, start, length, noise = claim
-        length = min(length, num_external_tokens)
-        self._pending.loads.append(LoadOrder(
-            request.request_id, key, list(blocks.get_block_ids()[0]), start, length, noise))
-        self._claimed_tokens[request.request_id] = length
+        claim, params = pending
+        if num_external_tokens < claim.length:  # vLLM admitted only the claim's start
+            claim = claim.cut(num_external_tokens)
+        plan = RangePlan(
+            request.request_id, session_key(params), params.agent, params.namespace,
+            list(blocks.get_block_ids()[0]), claim.start, claim.end,
+            list(request.prompt_token_ids[: claim.end]), claim.exact_key, claim.exact_end,
+            list(claim.spans), params.method or self.method,
+        )  # fmt: skip
+        self._pending.loads.append(LoadOrder(plan, params.test_noise_std))
+        self._claimed[request.request_id] = claim
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvcmasConnectorMetadata()
@@ -190,11 +234,13 @@ class KvcmasConnector(KVConnectorBase_V1):
         params = self._params(request)
         if params is None:
             return False, None
-        claimed = self._claimed_tokens.pop(request.request_id, 0)
-        saved_tokens = self._order_save(request, params, block_ids)
+        claim = self._claimed.pop(request.request_id, None)
+        saved_tokens = self._order_save(request, params, block_ids, claim)
         info = {"kvcmas": {
-            "method": self.method,
-            "claimed_tokens": claimed,
+            "method": params.method or self.method,
+            "claimed_tokens": claim.length if claim else 0,
+            "span_tokens": claim.span_tokens if claim else 0,
+            "spans": len(claim.spans) if claim else 0,
             "saved_tokens": saved_tokens,
             "store_bytes": self.index.bytes_used,
             "store_requests": len(self.index),
@@ -203,7 +249,9 @@ class KvcmasConnector(KVConnectorBase_V1):
         # True keeps the blocks alive until the worker has copied them (get_finished).
         return saved_tokens > 0, info
 
-    def _order_save(self, request: Request, params: KvcmasParams, block_ids: list[int]) -> int:
+    def _order_save(
+        self, request: Request, params: KvcmasParams, block_ids: list[int], claim: Claim | None
+    ) -> int:
         """Index the finished request as a source and order its copy; returns tokens saved."""
         # A request fed deliberately corrupted KV (test hook) must never become a source, nor
         # one that did not run to its end (its last step may not have written KV).
@@ -218,10 +266,17 @@ class KvcmasConnector(KVConnectorBase_V1):
         if num_tokens <= 0:
             return 0
         tokens = request.all_token_ids[:num_tokens]
-        covered = self.index.longest_prefix(params.session, tokens)
+        covered = self.index.longest_prefix(session_key(params), tokens)
         if covered is not None and covered.length >= num_tokens:
             return 0  # an earlier source of the session already holds all of it
-        admitted, evicted = self.index.add(request.request_id, params.session, params.agent, tokens)
+        # KV after the first span a method built is approximate (and so is everything that
+        # attended to it): only the part before it may serve later exact claims.
+        exact_upto = claim.exact_end if claim and claim.spans else num_tokens
+        admitted, evicted = self.index.add(
+            request.request_id, session_key(params), params.agent, tokens,
+            namespace=params.namespace, prompt_len=min(request.num_prompt_tokens, num_tokens),
+            exact_upto=min(exact_upto, num_tokens),
+        )  # fmt: skip
         self._pending.drops.extend(evicted)
         if not admitted:
             return 0  # larger than the whole store
@@ -242,6 +297,7 @@ class KvcmasConnector(KVConnectorBase_V1):
                     f"the scheduler's are {self.block_size}"
                 )
         self.kv_caches = dict(kv_caches)
+        self._layers = layer_order(kv_caches)
         model_dtype = self._vllm_config.model_config.dtype
         kv_dtype = self._vllm_config.cache_config.cache_dtype
         isa = check_layout_against_vllm(next(iter(self.kv_caches.values())), model_dtype, kv_dtype)
@@ -262,6 +318,11 @@ class KvcmasConnector(KVConnectorBase_V1):
             self._save(order)
         for order in meta.loads:
             self._load(order)
+        if not meta.loads:
+            # No claim to fill in this step: do the methods' deferred anchor construction now
+            # (the serving counterpart of `kvcmas run`'s idle time after a request).
+            for method in self._methods.values():
+                method.flush()
         if changed:
             self._write_stats()
 
@@ -275,32 +336,93 @@ class KvcmasConnector(KVConnectorBase_V1):
         self._stats["saved_requests"] += 1
         self._stats["saved_tokens"] += order.num_tokens
 
+    def _read_source(self, key: str, offset: int, length: int):
+        """K and V ``[layers, heads, length, D]`` of a saved request, layers in model order."""
+        saved = self.store.get(key)
+        kv = torch.stack([saved[name][:, :, offset : offset + length] for name in self._layers])
+        return kv[:, 0], kv[:, 1]
+
     def _load(self, order: LoadOrder) -> None:
         if not self.kv_caches:
             raise RuntimeError("KvcmasConnector: asked to load KV before vLLM registered caches")
-        saved = self.store.get(order.key)
-        end = order.start + order.length
+        plan = order.plan
+        if plan.spans:
+            self._build(plan)
+        else:
+            self._copy_exact(plan, order.noise_std)
+        self._stats["injected_requests"] += 1
+        self._stats["injected_tokens"] += plan.end - plan.start
+        self._stats["injections"].append({
+            "request_id": plan.request_id, "source": plan.exact_key, "start": plan.start,
+            "length": plan.end - plan.start, "spans": len(plan.spans),
+            "noise_std": order.noise_std,
+        })
+        del self._stats["injections"][:-_RECENT]
+
+    def _copy_exact(self, plan: RangePlan, noise_std: float) -> None:
+        saved = self.store.get(plan.exact_key)
         generator = torch.Generator().manual_seed(0)
         for name, cache in self.kv_caches.items():
-            kv = saved[name][:, :, order.start:end]
-            if order.noise_std:
-                noise = torch.randn(kv.shape, generator=generator) * order.noise_std
+            kv = saved[name][:, :, plan.start : plan.end]
+            if noise_std:
+                noise = torch.randn(kv.shape, generator=generator) * noise_std
                 kv = (kv.float() + noise).to(kv.dtype)
-            write_span(cache, order.block_ids, order.start, kv[0], kv[1])
-        self._stats["injected_requests"] += 1
-        self._stats["injected_tokens"] += order.length
-        self._stats["injections"].append({
-            "request_id": order.request_id, "source": order.key,
-            "start": order.start, "length": order.length, "noise_std": order.noise_std,
+            write_span(cache, plan.block_ids, plan.start, kv[0], kv[1])
+
+    def _method(self, namespace: str | None, name: str) -> Method:
+        """The method object of a namespace (its pools learn across that tenant's sessions);
+        the server's method takes its configured options, a per-request one its defaults."""
+        from kvcmas.methods import make_method
+
+        key = f"{namespace or ''}/{name}"
+        if key not in self._methods:
+            options = self.method_options if name == self.method else {}
+            self._methods[key] = make_method(name, options)
+        return self._methods[key]
+
+    def _model(self):
+        if self._loaded is None:
+            from kvcmas.model.loader import load_model
+
+            config = self._vllm_config.model_config
+            self._loaded = load_model(str(config.model), config.dtype)
+            logger.info("KvcmasConnector: kvcmas runtime loaded %s in %s for %s",
+                        config.model, config.dtype, self.method)
+        return self._loaded.model
+
+    def _build(self, plan: RangePlan) -> None:
+        model = self._model()
+        layers = [self.kv_caches[name] for name in self._layers]
+        records = build_range(plan, self._method(plan.namespace, plan.method), model, layers,
+                              self._read_source)
+        shared = [r for r in records if r.slot is not None]
+        n_layers = model.config.n_layers
+        s = self._stats
+        s["built_requests"] += 1
+        s["span_tokens"] += sum(r.length for r in shared)
+        s["served_tokens"] += sum(r.served_tokens for r in shared)
+        s["computed_pairs"] += sum(r.computed_pairs for r in shared)
+        s["dense_pairs"] += sum(r.length for r in shared) * n_layers
+        spans = [{"slot": r.slot, "start": r.start, "length": r.length, "decision": r.decision,
+                  "served_tokens": r.served_tokens, "computed_pairs": r.computed_pairs,
+                  "entropy": r.entropy, "origin": p.origin.key, "latest": p.latest.key}
+                 for r, p in zip(shared, plan.spans, strict=True)]
+        s["builds"].append({
+            "request_id": plan.request_id, "session": plan.session, "agent": plan.agent,
+            "namespace": plan.namespace, "method": plan.method, "start": plan.start,
+            "end": plan.end, "exact_end": plan.exact_end, "spans": spans,
         })
-        del self._stats["injections"][:-100]  # a bounded log of the latest injections
+        del s["builds"][:-_RECENT]
 
     def _write_stats(self) -> None:
         path = os.environ.get(STATS_FILE_ENV)
         if not path:
             return
-        stats = dict(self._stats, method=self.method, store_bytes=self.store.num_bytes,
-                     store_requests=len(self.store))
+        pools = sum(m.memory_bytes() for m in self._methods.values())
+        stats = dict(self._stats, method=self.method, method_config=self.method_options,
+                     store_bytes=self.store.num_bytes, store_requests=len(self.store),
+                     method_state_bytes=pools,
+                     namespaces=len({key.split("/")[0] for key in self._methods}))
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)

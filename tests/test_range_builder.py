@@ -1,0 +1,147 @@
+"""The connector's worker-side builder (kvcmas.serve.range_builder), without vLLM.
+
+A plain tensor laid out as vLLM's CPU paged cache stands in for the engine's blocks; tiny
+random-weight Llama and Qwen2 models stand in for the weights. The range the builder writes
+must equal what the same method builds on kvcmas's own cache for the same tokens, and be
+exactly dense where the method recomputes everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcmas.chat import Segment
+from kvcmas.methods import make_method
+from kvcmas.methods.base import Hop, SharedSegment
+from kvcmas.serve.paged_layout import read_span, write_span
+from kvcmas.serve.range_builder import RangePlan, SourceRef, SpanPiece, build_range, read_context
+from tests.test_baselines import OTHER_PREFIX, PREFIX, SHARED, TAIL, ids, source_kv
+
+BLOCK = 16
+MID = ids(11, 5)  # private text between the computed prefix and the shared span
+
+
+@pytest.fixture
+def model(tiny_pair):
+    return tiny_pair[1]
+
+
+def dense(model, tokens):
+    cache = model.new_cache()
+    model.prefill(list(tokens), cache)
+    return cache
+
+
+def paged_layers(model, num_blocks=12):
+    c = model.config
+    return [torch.zeros(num_blocks, c.n_kv_heads, BLOCK, 2 * c.head_dim) for _ in range(c.n_layers)]
+
+
+def write_context(layers, block_ids, cache, end):
+    """What vLLM computed: the prompt's KV up to ``end`` in the request's blocks."""
+    for i, layer in enumerate(layers):
+        write_span(layer, block_ids, 0, cache.k[i, :, :end], cache.v[i, :, :end])
+
+
+def reader(saved: dict):
+    def read(key, offset, length):
+        cache = saved[key]
+        return cache.span(offset, offset + length)
+
+    return read
+
+
+def range_of(layers, block_ids, start, end):
+    spans = [read_span(layer, block_ids, start, end - start) for layer in layers]
+    return torch.stack([k for k, _ in spans]), torch.stack([v for _, v in spans])
+
+
+def span_plan(prompt, start, end, span_start, exact=None) -> RangePlan:
+    origin = SourceRef("src", len(OTHER_PREFIX), "a")
+    span = SpanPiece(span_start, len(SHARED), "a", "input", origin, origin)
+    key, exact_end = exact or (None, 0)
+    return RangePlan("r1", "s", "b", None, list(range(12)), start, end, list(prompt[:end]),
+                     exact_key=key, exact_end=exact_end, spans=[span])
+
+
+def test_context_is_read_back_bitwise(model):
+    layers, blocks = paged_layers(model), [5, 2, 7, 0]
+    cache = dense(model, PREFIX + MID + SHARED)
+    write_context(layers, blocks, cache, 40)
+    back = read_context(layers, blocks, 40, model.dtype)
+    assert torch.equal(back.k[:, :, :40], cache.k[:, :, :40])
+    assert torch.equal(back.v[:, :, :40], cache.v[:, :, :40])
+
+
+@pytest.mark.parametrize("method", ["fullshared", "cacheblend", "kvcmas"])
+def test_range_equals_the_method_on_kvcmas_own_cache(model, method):
+    """The connector's hop is the runner's hop: same segments, same source, same KV."""
+    prompt = PREFIX + MID + SHARED + TAIL
+    start, span_start = len(PREFIX), len(PREFIX + MID)
+    end = span_start + len(SHARED)
+    layers, blocks = paged_layers(model), list(range(12))
+    write_context(layers, blocks, dense(model, prompt), start)
+    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
+    records = build_range(span_plan(prompt, start, end, span_start), make_method(method),
+                          model, layers, reader(saved))
+    assert [r.slot for r in records] == [None, "a"]
+
+    expected = dense(model, PREFIX)
+    shared = SharedSegment("a", "input", SHARED)
+    shared.record("a", source_kv(model))
+    hop = Hop("b", "s", 0, [Segment(PREFIX), Segment(MID), Segment(SHARED, "a")], {"a": shared})
+    make_method(method).build_segments(hop, model, expected)
+    k, v = range_of(layers, blocks, start, end)
+    torch.testing.assert_close(k, expected.k[:, :, start:end], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, expected.v[:, :, start:end], rtol=1e-5, atol=1e-6)
+    if method == "fullshared":  # reused rows: the source's, re-rotated, never recomputed
+        assert records[1].decision == "reuse" and records[1].served_tokens == len(SHARED)
+
+
+def test_recomputing_the_whole_span_is_dense(model):
+    """Head recompute over the whole span: every row of the range equals a dense prefill."""
+    prompt = PREFIX + MID + SHARED + TAIL
+    start, span_start = len(PREFIX), len(PREFIX + MID)
+    end = span_start + len(SHARED)
+    layers, blocks = paged_layers(model), [3, 9, 1, 4, 6]
+    reference = dense(model, prompt)
+    write_context(layers, blocks, reference, start)
+    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
+    plan = span_plan(prompt, start, end, span_start)
+    plan.block_ids = blocks
+    build_range(plan, make_method("headrecompute", {"head_tokens": 10_000}), model, layers,
+                reader(saved))
+    k, v = range_of(layers, blocks, start, end)
+    torch.testing.assert_close(k, reference.k[:, :, start:end], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v, reference.v[:, :, start:end], rtol=1e-5, atol=1e-5)
+    # A reused span (no recompute) differs: the test can see a wrong range.
+    build_range(plan, make_method("fullshared"), model, layers, reader(saved))
+    k, _ = range_of(layers, blocks, span_start, end)
+    assert not torch.allclose(k, reference.k[:, :, span_start:end], rtol=1e-3, atol=1e-3)
+
+
+def test_an_exact_run_is_copied_at_its_own_positions(model):
+    """A prompt continuing a saved request token for token gets that request's KV as is."""
+    prompt = PREFIX + MID + SHARED + TAIL
+    earlier = dense(model, PREFIX + MID + ids(5, 9))  # same prefix and MID, then different
+    start, exact_end = len(PREFIX), len(PREFIX + MID)
+    end = exact_end + len(SHARED)
+    layers, blocks = paged_layers(model), list(range(12))
+    write_context(layers, blocks, earlier, start)
+    saved = {"src": dense(model, OTHER_PREFIX + SHARED), "earlier": earlier}
+    build_range(span_plan(prompt, start, end, exact_end, exact=("earlier", exact_end)),
+                make_method("fullshared"), model, layers, reader(saved))
+    k, v = range_of(layers, blocks, start, exact_end)
+    assert torch.equal(k, earlier.k[:, :, start:exact_end])
+    assert torch.equal(v, earlier.v[:, :, start:exact_end])
+
+
+def test_a_plan_with_overlapping_or_overlong_spans_is_refused():
+    origin = SourceRef("src", 0, "a")
+    a, b = SpanPiece(10, 8, "a", "input", origin, origin), SpanPiece(15, 8, "b", "agent",
+                                                                       origin, origin)
+    with pytest.raises(ValueError, match="overlap"):
+        RangePlan("r", "s", "c", None, [0, 1], 5, 30, list(range(30)), spans=[a, b])
+    with pytest.raises(ValueError, match="past the claimed range"):
+        RangePlan("r", "s", "c", None, [0, 1], 5, 12, list(range(30)), spans=[a])
