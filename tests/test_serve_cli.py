@@ -337,7 +337,7 @@ def test_engine_runner_sends_rendered_hops_and_chains_replies_as_ids(model_side)
     # One session per request, shared by its hops; the agent names the hop's producer.
     assert k1["session"] == k2["session"] != k3["session"] == k4["session"]
     assert [k["agent"] for k in (k1, k2, k3, k4)] == ["solver", "judge", "solver", "judge"]
-    assert k1["namespace"] == "tenant"
+    assert k1["namespace"] == "tenant" and k1["method"] == "exact"
     first = results[0]
     assert first.final_answer == tok.decode([21, 22], skip_special_tokens=True)
     judge = first.to_json()["hops"][1]
@@ -351,8 +351,12 @@ def test_engine_runner_checks_the_server_before_sending(model_side):
     from kvcmas.experiments.engine_run import EngineRunner
     from kvcmas.serve.client import EngineError
 
-    with pytest.raises(EngineError, match="builds KV with method 'other', not 'exact'"):
-        EngineRunner(model_side, two_agents(), ScriptedClient([], method="other"), "exact")
+    class NoConnector(ScriptedClient):
+        def stats(self):
+            return None
+
+    with pytest.raises(EngineError, match="has no kvcmas connector"):
+        EngineRunner(model_side, two_agents(), NoConnector([]), "exact")
     plain = ScriptedClient([[5], [6]], method="other")
     EngineRunner(model_side, two_agents(), plain, "nonshared").run({"query": "Hi?"})
     assert [k for _, _, k in plain.sent] == [None, None]  # plain vLLM: no kvcmas params
@@ -379,6 +383,24 @@ def test_served_records_split_at_the_served_prefix():
     assert ReuseCounts.of(records, 10).rho == 3 / 8
 
 
+def test_built_records_take_the_methods_own_account():
+    """Where the connector's method built spans, rho is what it served from sources."""
+    from kvcmas.experiments.engine_run import built_records
+    from kvcmas.methods.base import ReuseCounts
+
+    build = {"spans": [
+        {"slot": "in:analyst", "start": 10, "length": 40, "decision": "partial",
+         "served_tokens": 30, "computed_pairs": 300, "entropy": 0.4},
+        {"slot": "out:solver", "start": 60, "length": 20, "decision": "dense",
+         "served_tokens": 0, "computed_pairs": 600, "entropy": None},
+    ]}  # fmt: skip
+    records = built_records(build)
+    assert [(r.slot, r.kind, r.decision) for r in records] == [
+        ("in:analyst", "input", "partial"), ("out:solver", "agent", "dense")]
+    counts = ReuseCounts.of(records, 30)
+    assert counts.rho == 30 / 60 and counts.recompute_fraction == 900 / (60 * 30)
+
+
 # ----------------------------------------------------------------- a real server
 
 
@@ -386,7 +408,8 @@ def test_served_records_split_at_the_served_prefix():
 def test_serve_and_run_a_workflow_end_to_end(tmp_path):
     """`kvcmas serve --method exact`, then a 2-agent workflow through `kvcmas run --engine
     vllm`: the judge's request reuses the solver's saved KV (claimed > 0), every hop's greedy
-    tokens equal plain vLLM's (exact source), and SIGINT leaves no process behind."""
+    tokens equal plain vLLM's (exact source); with FullShared per request the solver's reply
+    inside the judge's prompt is reused; and SIGINT leaves no process behind."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
     from kvcmas.experiments.engine_run import EngineRunner
@@ -397,7 +420,8 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvcmas.cli", "serve", "--method", "exact", "--port",
-             str(port), "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20)],
+             str(port), "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
+             "--min-span", "16"],
             stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
         )
     tree: set[int] = set()
@@ -449,6 +473,17 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
                 assert a.output_ids == b.output_ids and a.output_tokens > 0
                 assert c["output"] == a.output
             assert ref.hops[1].claimed_tokens == 0  # plain vLLM: no connector
+
+        # Another method on the same server, per request: the judge reads the solver's reply
+        # in the middle of its prompt, a span the connector finds and FullShared reuses.
+        reused = list(EngineRunner(side, workflow, client, "fullshared").run_stream(requests))
+        judges = [r.hops[1] for r in reused]
+        print("fullshared judge rho:", [j.rho for j in judges])
+        assert all(j.claimed_tokens > 0 for j in judges)
+        # The method's record: a span produced by the solver's output, served from it.
+        assert any(s["kind"] == "agent" and s["slot"] == "out:solver" and s["served_tokens"] > 0
+                   for j in judges for s in j.segments)
+        assert any(j.rho and j.rho > 0 for j in judges)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0

@@ -76,7 +76,7 @@ def test_find_spans_finds_copied_runs_anywhere_and_tells_prompt_from_output():
     got = index.find_spans("S", prompt, 0, len(prompt), 8)
     out = Occurrence("r1", 23, "writer", True)
     inp = Occurrence("r1", 2, "writer", False)
-    across = Occurrence("r1", 16, "writer", False)
+    across = Occurrence("r1", 16, "writer", True)  # holds output tokens: the writer's reply
     assert got == [SpanMatch(7, 12, out, out), SpanMatch(24, 10, inp, inp),
                    SpanMatch(37, 10, across, across)]  # fmt: skip
     # begin / end restrict the search: the first span cut to 9 tokens, the others outside.
@@ -192,7 +192,7 @@ def test_find_spans_matches_the_specification_even_when_every_hash_collides(monk
         for m in got:
             for occ in (m.origin, m.latest):
                 prompt_len = index._entries[occ.key].prompt_len
-                assert occ.in_output == (occ.offset >= prompt_len)
+                assert occ.in_output == (occ.offset + m.length > prompt_len)
                 assert occ.agent == f"agent{occ.key[1:]}"
         found += len(got)
     assert found > 100  # the comparison was not vacuous

@@ -476,3 +476,84 @@ def test_kvcmas_pools_learn_within_a_namespace_only(server):
     assert span["decision"] == "dense"  # N1's anchors are not N2's
     s = stats(server)
     assert s["namespaces"] >= 2 and s["method_state_bytes"] > 0
+
+
+@pytest.mark.vllm
+def test_eight_concurrent_sessions_keep_to_their_own_spans(server):
+    """8 sessions at once through the async client, all on the SAME document (so a leak would
+    be visible): every critic's span comes from its own session's analyst, and each session's
+    answers equal running it alone (FullShared: its KV is a function of its own session)."""
+    import asyncio
+
+    import openai
+
+    doc = prompt_ids(server, "Lambda", facts=8)
+
+    async def ask(aclient, ids, session, agent):
+        rid = f"c-{uuid.uuid4().hex[:12]}"
+        params = {"session": session, "agent": agent, "method": "fullshared"}
+        r = await aclient.completions.create(
+            model=server.model, prompt=[ids], max_tokens=8, temperature=0,
+            extra_body={"return_token_ids": True, "kv_transfer_params": {"kvcmas": params}},
+            extra_headers={"X-Request-Id": rid},
+        )
+        return rid, list(r.choices[0].model_extra["token_ids"])
+
+    async def session(aclient, name):
+        first_id, first = await ask(
+            aclient, agent_prompt(server, "analyst", doc, "Summarize."), name, "analyst")
+        second_id, second = await ask(
+            aclient, agent_prompt(server, "critic", doc, "Any error?"), name, "critic")
+        return first_id, second_id, first + second
+
+    async def run(names):
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+                                      max_retries=0) as aclient:
+            return await asyncio.gather(*(session(aclient, n) for n in names))
+
+    alone = [asyncio.run(run([f"S-alone-{i}"]))[0][2] for i in range(2)]
+    together = asyncio.run(run([f"S-many-{i}" for i in range(8)]))
+    for first_id, second_id, _ in together:
+        [span] = build_of(server, second_id)["spans"]
+        assert first_id in span["origin"] and first_id in span["latest"]
+    outputs = [t[2] for t in together]
+    same = sum(o == alone[0] for o in outputs)
+    print(f"8 concurrent sessions: {same}/8 equal to the session run alone")
+    assert alone[0] == alone[1]
+    assert same == 8
+
+
+@pytest.mark.vllm
+def test_a_client_that_disconnects_leaves_the_store_consistent(server):
+    """An aborted request is never saved (its last step may be unwritten); the next request
+    of the session claims nothing from it, and the counters stay consistent."""
+    ids = prompt_ids(server, "Mu")
+    marker = complete(server, prompt_ids(server, "Mu-marker", facts=2), session="S-marker")
+    stream = server.client.completions.create(
+        model=server.model, prompt=[ids], max_tokens=400, temperature=0, stream=True,
+        extra_body={"kv_transfer_params": {"kvcmas": {"session": "S-gone", "agent": "a",
+                                                      "method": "exact"}},
+                    "ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    time.sleep(2)  # vLLM notices the disconnect and aborts the request
+    again = complete(server, ids, session="S-gone")
+    assert again.kvcmas["claimed_tokens"] == 0  # nothing of the aborted request was a source
+    # The scheduler ordered one save since the marker: `again`'s, not the aborted request's.
+    assert again.kvcmas["saved_requests_total"] == marker.kvcmas["saved_requests_total"] + 1
+    after = wait_for_saves(server, again.kvcmas["saved_requests_total"])
+    assert after["store_bytes"] <= STORE_BYTES
+
+
+@pytest.mark.vllm
+def test_the_store_stays_bounded_over_a_long_stream(server):
+    """200 short requests of 20 sessions: past the bound many times, never above it."""
+    for i in range(200):
+        ids = prompt_ids(server, f"Nu{i}", facts=2)
+        answer = complete(server, ids, session=f"S-long-{i % 20}", max_tokens=1)
+        assert answer.kvcmas["store_bytes"] <= STORE_BYTES
+    s = wait_for_saves(server, answer.kvcmas["saved_requests_total"])
+    assert 0 < s["store_bytes"] <= STORE_BYTES and s["dropped_requests"] > 0

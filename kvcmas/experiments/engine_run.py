@@ -5,14 +5,16 @@ chat template split at slots, each piece tokenized on its own) and sent as token
 agent's reply comes back as token ids and fills that agent's slot in later prompts, so every
 workflow and request file runs unchanged. With a kvcmas method, each request carries
 ``kv_transfer_params={"kvcmas": {"session", "agent"[, "namespace"]}}`` (one session per
-workflow request); ``--method nonshared`` sends none, i.e. plain vLLM (with its own prefix
+workflow request) and names the method (the server builds with it, whatever its own default);
+``--method nonshared`` sends none, i.e. plain vLLM (with its own prefix
 cache), the reference for the kvcmas server's outputs.
 
 Results have the shape of ``kvcmas run``'s. What only the server knows is reported as far as
 the client sees it: the prompt tokens it did not compute (``cached_tokens``: vLLM's prefix
-cache plus the connector's claim) and the connector's share (``claimed_tokens``); rho counts
-shared tokens inside the served range. KV bytes, background and compute seconds live in the
-server process and are null here.
+cache plus the connector's claim) and the connector's share (``claimed_tokens``). rho counts
+shared tokens inside the served range, or, where a method built spans in the claim, the
+tokens its record says it served from sources (recomputed and densely prefilled ones not).
+KV bytes, background and compute seconds live in the server process and are null here.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ def served_records(
     return records
 
 
+def built_records(build: dict) -> list[SegmentRecord]:
+    """Records of the spans the connector's method built (the worker's log of the request):
+    the server found them by token matching, so they are named by producer, not by slot."""
+    kind = {"out": "agent", "in": "input"}
+    return [
+        SegmentRecord(s["slot"], kind.get(s["slot"].split(":")[0], "input"), s["start"],
+                      s["length"], s["decision"], s["computed_pairs"], s["served_tokens"],
+                      entropy=s.get("entropy"))
+        for s in build["spans"]
+    ]  # fmt: skip
+
+
 def check_engine_method(method: str) -> None:
     if method not in ENGINE_METHODS:
         raise UsageError(
@@ -104,11 +118,6 @@ class EngineRunner:
                 f"the server at {self.client.base_url} has no kvcmas connector "
                 "(GET /kvcmas/stats failed): start it with `kvcmas serve`"
             )
-        if stats.get("method") != self.method:
-            raise EngineError(
-                f"the server at {self.client.base_url} builds KV with method "
-                f"{stats.get('method')!r}, not {self.method!r}"
-            )
 
     def run(self, request: dict) -> RequestResult:
         self.workflow.check_request(request)
@@ -147,7 +156,8 @@ class EngineRunner:
             )
         params = None
         if self.method != PLAIN:
-            params = {"session": session, "agent": agent.name}
+            # The method goes with every request: one server serves them all side by side.
+            params = {"session": session, "agent": agent.name, "method": self.method}
             if self.namespace:
                 params["namespace"] = self.namespace
         done = self.client.complete(
@@ -163,6 +173,8 @@ class EngineRunner:
         n_layers = self.side.config.n_layers
         served = done.cached_tokens or 0
         records = served_records(segments, served, self.workflow, n_layers)
+        if done.build is not None:  # a method built spans: its own account of each
+            records = built_records(done.build)
         return EngineHopResult(
             agent=agent.name,
             method=self.method,

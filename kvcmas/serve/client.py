@@ -7,9 +7,9 @@ request is streamed: its TTFT is the arrival of the first chunk that carries a t
 
 Which prompt tokens the server did not compute comes from two places: the streamed usage
 (``prompt_tokens_details.cached_tokens``: vLLM's own prefix cache plus the connector's claim)
-and the connector's injection log in ``GET /kvcmas/stats`` (the claim alone), found by the
-``X-Request-Id`` the client sets, which vLLM keeps inside its internal request id. A streamed
-response carries no ``kv_transfer_params``, hence the log.
+and the connector's logs in ``GET /kvcmas/stats`` (the claim alone, and per shared span what
+the method did with it), found by the ``X-Request-Id`` the client sets, which vLLM keeps inside
+its internal request id. A streamed response carries no ``kv_transfer_params``, hence the logs.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int | None  # prompt tokens not computed: vLLM's prefix cache + connector
     claimed_tokens: int | None  # of those, supplied by the kvcmas connector (None: unknown)
+    build: dict[str, Any] | None = None  # the worker's record of the spans a method built
 
 
 def api_root(base_url: str) -> str:
@@ -158,13 +159,16 @@ class EngineClient:
             latency_s=latency,
             prompt_tokens=usage.prompt_tokens if usage is not None else len(prompt_ids),
             cached_tokens=cached,
-            claimed_tokens=self._claimed(request_id) if kvcmas is not None else 0,
+            **(self._served(request_id) if kvcmas is not None else {"claimed_tokens": 0}),
         )
 
-    def _claimed(self, request_id: str) -> int | None:
-        """Tokens the connector injected for this request, from its injection log (written
-        before the forward that produced the first token, so it is complete here)."""
+    def _served(self, request_id: str) -> dict[str, Any]:
+        """Tokens the connector injected for this request and the record of what its method
+        built, from the worker's logs (written before the forward that produced the first
+        token, so complete here)."""
         stats = self.stats()
         if stats is None or "injections" not in stats:
-            return None
-        return sum(e["length"] for e in stats["injections"] if request_id in e["request_id"])
+            return {"claimed_tokens": None}
+        claimed = sum(e["length"] for e in stats["injections"] if request_id in e["request_id"])
+        builds = [b for b in stats.get("builds", []) if request_id in b["request_id"]]
+        return {"claimed_tokens": claimed, "build": builds[-1] if builds else None}

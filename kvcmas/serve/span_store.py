@@ -43,7 +43,9 @@ class Occurrence:
     key: str
     offset: int  # first position of the matched run in that saved request
     agent: str
-    in_output: bool  # offset >= that request's prompt_len
+    # The run holds output tokens of that request: an agent's reply, usually read with the
+    # token or two that precede it in both prompts (a newline), which are the producer's prompt.
+    in_output: bool
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,8 @@ class SpanIndex:
                 continue
             length, holders = found
             holders.sort(key=lambda holder: self._entries[holder[0]].seq)
-            origin, latest = self._occurrence(*holders[0]), self._occurrence(*holders[-1])
+            origin = self._occurrence(*holders[0], length)
+            latest = self._occurrence(*holders[-1], length)
             matches.append(SpanMatch(p, length, origin, latest))
             p += length
         return matches
@@ -279,10 +282,10 @@ class SpanIndex:
         longest = max(length for length, _ in best.values())
         return longest, [(k, off) for k, (length, off) in best.items() if length == longest]
 
-    def _occurrence(self, key: str, offset: int) -> Occurrence:
+    def _occurrence(self, key: str, offset: int, length: int) -> Occurrence:
         self._entries.move_to_end(key)
         entry = self._entries[key]
-        return Occurrence(key, offset, entry.agent, offset >= entry.prompt_len)
+        return Occurrence(key, offset, entry.agent, offset + length > entry.prompt_len)
 
 
 class SpanStore:

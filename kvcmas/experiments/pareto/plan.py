@@ -26,14 +26,14 @@ MAX_POINTS = 6
 
 # Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets
 # the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default.
+# Ordered so that fewer --max-points keep round 1's default, a mid budget and the largest.
 KNOBS: dict[str, list[dict[str, Any]]] = {
     "nonshared": [{}],
     "fullshared": [{}],
     "kvcomm": [{}],
     "kvcmas": [
         {"tau": 0.995, "repair_max": 0.0},
-        {"tau": 0.995, "repair_max": 0.25},
-        {"tau": 1.0, "repair_max": 0.0},
+        {"tau": 1.0, "repair_max": 0.05},
         {"tau": 1.0, "repair_max": 0.1},
         {"tau": 1.0, "repair_max": 0.25},
         {"tau": 1.0, "repair_max": 0.5},
