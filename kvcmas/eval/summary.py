@@ -65,12 +65,14 @@ def run_summary(results: list[RequestResult]) -> dict[str, Any]:
     out["ttft_per_agent_s"] = {a: mean(v) for a, v in per_agent.items()}
     out["latency_request_mean_s"] = mean(r.latency_s for r in results)
     out["background_request_mean_s"] = mean(r.background_s for r in results)
-    out["compute_s"] = sum(r.cpu_s for r in results)
-    out["compute_request_mean_s"] = mean(r.cpu_s for r in results)
+    # A client of a serving engine sees no compute, KV or RSS of the server: None there.
+    cpu = [r.cpu_s for r in results]
+    out["compute_s"] = None if None in cpu else sum(cpu)
+    out["compute_request_mean_s"] = mean(cpu)
     outputs = [h.output_tokens for h in sets["all"]]
     out["output_tokens_mean"] = mean(outputs)
     out["prompt_tokens_later_mean"] = mean(h.prompt_tokens for h in sets["later"])
-    if sets["all"]:
+    if sets["all"] and sets["all"][0].kv_bytes is not None:
         out["peak_state_bytes"] = max(
             h.kv_bytes + h.source_bytes + h.method_state_bytes for h in sets["all"]
         )

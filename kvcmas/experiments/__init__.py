@@ -20,6 +20,7 @@ EXPERIMENT_MODULES: dict[str, str] = {
     "coverage": "kvcmas.experiments.coverage_exp",
     "accuracy": "kvcmas.experiments.accuracy",
     "pareto": "kvcmas.experiments.pareto",
+    "engine": "kvcmas.experiments.engine_bench",
     "report": "kvcmas.experiments.report",
     "smoke": "kvcmas.experiments.smoke",
 }
