@@ -149,6 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
                 max_model_len=args.max_model_len, min_span=args.min_span)
+    from kvcmas.serve.span_store import GRAM
+
+    if args.min_span is not None and args.min_span < GRAM:
+        raise UsageError(f"--min-span must be at least {GRAM} (the span index's token window)")
     port = check_port(args.port, args.host)
     name, folder = resolve(args.model)
     cfg = ServeConfig(

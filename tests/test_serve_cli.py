@@ -59,6 +59,8 @@ def no_model(monkeypatch):
         (["--method", "cacheblend", "--tau", "0.5"], "cacheblend"),
         (["--method", "exact", "--tau", "0.5"], "--method exact takes no options, got tau"),
         (["--method", "kvcmas", "--min-span", "0"], "--min-span must be a positive"),
+        (["--method", "kvcmas", "--min-span", "8"], "--min-span must be at least 16"),
+        (["--method", "nonshared"], "'dense' prefills spans inside the connector's claim"),
         (["--method", "exact", "--port", "70000"], "--port 70000 is out of range"),
         (["--method", "exact", "--port", "-1"], "--port -1 is out of range"),
         (["--method", "exact", "--dtype", "fp16"], "unknown dtype 'fp16'"),
@@ -71,7 +73,7 @@ def test_serve_refuses_bad_arguments_by_name(no_model, capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err
     if "not served" in message:
-        assert "(supported: exact, nonshared, fullshared, kvcmas, kvcomm, cacheblend, " in err
+        assert "(supported: exact, dense, fullshared, kvcmas, kvcomm, cacheblend, " in err
 
 
 def test_serve_refuses_a_port_in_use(no_model, capsys):
@@ -389,9 +391,9 @@ def test_built_records_take_the_methods_own_account():
     from kvcmas.methods.base import ReuseCounts
 
     build = {"spans": [
-        {"slot": "in:analyst", "start": 10, "length": 40, "decision": "partial",
+        {"slot": "in:analyst", "kind": "input", "start": 10, "length": 40, "decision": "partial",
          "served_tokens": 30, "computed_pairs": 300, "entropy": 0.4},
-        {"slot": "out:solver", "start": 60, "length": 20, "decision": "dense",
+        {"slot": "out:solver", "kind": "agent", "start": 60, "length": 20, "decision": "dense",
          "served_tokens": 0, "computed_pairs": 600, "entropy": None},
     ]}  # fmt: skip
     records = built_records(build)

@@ -38,23 +38,20 @@ def test_add_defaults_and_validates_the_new_fields():
     assert "c" not in index
 
 
-def test_exact_prefix_is_capped_by_exact_upto_and_never_crosses_namespaces():
+def test_exact_prefix_is_capped_by_exact_upto_within_the_session():
     index = big_index()
     ten = list(range(1, 11))
-    index.add("a", "S1", "x", ten, namespace="t1", exact_upto=2)  # later positions corrected
-    index.add("b", "S2", "x", [1, 2, 3, 9, 9], namespace="t1")
-    index.add("c", "S3", "x", ten, namespace="t2")
-    index.add("d", "S4", "x", [1, 2, 3, 4, 9])  # default namespace
-    index.add("e", "S1", "x", [5, 5, 5], namespace="t1")
-    # The session-level prefix is not capped: the caller decides what approximate KV may do.
+    index.add("a", "S1", "x", ten, exact_upto=2)  # positions 2.. were built by a method
+    index.add("b", "S1", "x", [1, 2, 3, 9, 9])
+    index.add("c", "S2", "x", ten)  # another session: never offered to S1
+    index.add("e", "S1", "x", [5, 5, 5])
+    # Uncapped, "a" shares 10 tokens; only 2 of them are exact, and "b" offers 3 exact ones.
     assert index.longest_prefix("S1", ten) == PrefixMatch("a", 10)
-    # "a" shares 10 tokens but only 2 are exact: "b", of another session, offers 3 exact ones.
-    assert index.longest_exact_prefix("t1", ten) == PrefixMatch("b", 3)
-    assert index.longest_exact_prefix("t2", ten) == PrefixMatch("c", 10)
-    assert index.longest_exact_prefix(None, ten) == PrefixMatch("d", 4)
-    assert index.longest_exact_prefix("t3", ten) is None
-    assert index.longest_exact_prefix("t1", [7, 1, 2]) is None
-    index.longest_exact_prefix("t1", [5, 5])
+    assert index.longest_prefix("S1", ten, exact_only=True) == PrefixMatch("b", 3)
+    assert index.longest_prefix("S2", ten, exact_only=True) == PrefixMatch("c", 10)
+    assert index.longest_prefix("S3", ten, exact_only=True) is None
+    assert index.longest_prefix("S1", [7, 1, 2], exact_only=True) is None
+    index.longest_prefix("S1", [5, 5], exact_only=True)
     assert list(index._entries)[-1] == "e"  # marked recently used
 
 

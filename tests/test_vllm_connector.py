@@ -144,6 +144,7 @@ def server(tmp_path_factory):
         "kv_connector": "KvcmasConnector",
         "kv_connector_module_path": "kvcmas.serve.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         # The server's method is KVCMAS reusing whenever anchors exist (tau 1), so a short
         # stream shows reuse; each test names its method per request ("exact" by default).
         "kv_connector_extra_config": {"store_bytes": STORE_BYTES, "method": "kvcmas",
@@ -432,14 +433,14 @@ def test_a_span_of_another_agents_prompt_is_found_and_reused(server):
 
 @pytest.mark.vllm
 def test_kvcmas_runtime_inside_the_claim_agrees_with_vllm(server):
-    """Method "nonshared": the connector's runtime prefills the claimed range densely (the
+    """Method "dense": the connector's runtime prefills the claimed range densely (the
     critic's opening and the document) in another process than vLLM's forward; vLLM
     continues from that KV. Its answer equals plain vLLM's to fp32 rounding."""
     doc = prompt_ids(server, "Iota", facts=8)
     first = agent_prompt(server, "analyst", doc, "What flows where?")
     second = agent_prompt(server, "critic", doc, "Which lake is largest?")
-    complete_as(server, first, "S-dense", "analyst", "nonshared")
-    rid, answer = complete_as(server, second, "S-dense", "critic", "nonshared", max_tokens=16)
+    complete_as(server, first, "S-dense", "analyst", "dense")
+    rid, answer = complete_as(server, second, "S-dense", "critic", "dense", max_tokens=16)
     built = build_of(server, rid)
     assert built["start"] == 0 and built["end"] >= len(doc)
     assert [s["decision"] for s in built["spans"]] == ["dense"]
@@ -557,3 +558,16 @@ def test_the_store_stays_bounded_over_a_long_stream(server):
         assert answer.kvcmas["store_bytes"] <= STORE_BYTES
     s = wait_for_saves(server, answer.kvcmas["saved_requests_total"])
     assert 0 < s["store_bytes"] <= STORE_BYTES and s["dropped_requests"] > 0
+
+
+def test_the_salt_separates_sessions_and_tenants_and_keeps_a_client_salt_inside():
+    from kvcmas.serve.http import session_cache_salt
+
+    salts = {
+        session_cache_salt(None, "s", None), session_cache_salt("t1", "s", None),
+        session_cache_salt("t2", "s", None), session_cache_salt(None, "s2", None),
+        session_cache_salt(None, "s", "mine"),
+    }
+    assert len(salts) == 5
+    # A client salt cannot make one session's salt equal another's.
+    assert session_cache_salt(None, "a", "b") != session_cache_salt(None, "a\", \"b", None)

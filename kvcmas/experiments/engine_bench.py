@@ -1,8 +1,9 @@
 """``kvcmas bench engine``: methods side by side inside vLLM, through the kvcmas connector.
 
 One ``kvcmas serve`` server (started here on a free port, or ``--base-url`` of a running one)
-serves every method per request, so all methods meet the same engine, weights, scheduler and
-prefix caching. Each method gets its own namespace (its anchor pools start empty) and runs
+serves every method per request, so all methods meet the same engine, weights and scheduler
+(plain requests use vLLM's prefix cache unsalted, kvcmas requests salted per session). Each
+method gets its own namespace (its anchor pools start empty) and runs
 ``--warmup`` requests first; then the measured requests run in turns, request by request over
 the methods, so drift hits all alike. ``nonshared`` is plain vLLM (no kvcmas params, its own
 prefix cache): the reference of every ratio. Requests are sequential (one session at a time);

@@ -66,12 +66,11 @@ def served_records(
 
 def built_records(build: dict) -> list[SegmentRecord]:
     """Records of the spans the connector's method built (the worker's log of the request):
-    the server found them by token matching, so they are named by producer, not by slot."""
-    kind = {"out": "agent", "in": "input"}
+    the server found them by token matching, so they are named by producer, not by slot.
+    Only the spans count: text an exact run or vLLM's prefix cache served is not in them."""
     return [
-        SegmentRecord(s["slot"], kind.get(s["slot"].split(":")[0], "input"), s["start"],
-                      s["length"], s["decision"], s["computed_pairs"], s["served_tokens"],
-                      entropy=s.get("entropy"))
+        SegmentRecord(s["slot"], s["kind"], s["start"], s["length"], s["decision"],
+                      s["computed_pairs"], s["served_tokens"], entropy=s.get("entropy"))
         for s in build["spans"]
     ]  # fmt: skip
 

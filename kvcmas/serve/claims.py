@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 from kvcmas.serve.range_builder import SourceRef, SpanPiece
 from kvcmas.serve.span_store import SpanIndex
 
-# A span shorter than this is not worth a slot: graded repair recomputes a span's first 16
-# tokens (the attention sinks), so at 32 at least half of a span is served; and a run of 32
-# equal tokens is never a chance match of template text (role markers are 3-6 tokens).
+# A span shorter than this is not worth a slot: with graded repair a span's first 16 tokens
+# (the attention sinks) are recomputed, so at 32 at least half of a span is served; and a run
+# of 32 equal tokens outside copied text is unlikely (role markers are 3-6 tokens).
 DEFAULT_MIN_SPAN = 32
 
 

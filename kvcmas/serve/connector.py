@@ -57,10 +57,11 @@ from kvcmas.serve.params import (
     CONNECTOR_METHODS,
     KvcmasParams,
     KvcmasParamsError,
+    method_for,
     parse_kvcmas_params,
 )
 from kvcmas.serve.range_builder import RangePlan, build_range
-from kvcmas.serve.span_store import SpanIndex, SpanStore
+from kvcmas.serve.span_store import GRAM, SpanIndex, SpanStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,28 +150,38 @@ class KvcmasConnector(KVConnectorBase_V1):
         if self.method != "exact":
             from kvcmas.methods import make_method
 
-            make_method(self.method, self.method_options)  # bad options fail at startup
+            make_method(method_for(self.method), self.method_options)  # fail at startup
         if role == KVConnectorRole.SCHEDULER:
             bytes_per_token = spec.page_size_bytes // spec.block_size * len(groups[0].layer_names)
             capacity = int(extra("store_bytes", DEFAULT_STORE_BYTES))
             self.min_span = int(extra("min_span", DEFAULT_MIN_SPAN))
+            if self.min_span < GRAM:  # raised at startup, never in a scheduling step
+                raise ValueError(f"KvcmasConnector: min_span must be >= {GRAM}, "
+                                 f"got {self.min_span}")
             self.index = SpanIndex(capacity, bytes_per_token)
             self._claims: dict[str, tuple[Claim, KvcmasParams]] = {}
             self._claimed: dict[str, Claim] = {}  # admitted claims, until the request ends
             self._pending = KvcmasConnectorMetadata()
             self._saves_ordered = 0
+            # Sessions holding KV a method built: vLLM's prefix cache (salted per session) may
+            # hand their later requests such blocks, which then are not exact (see _exact_cap).
+            self._approximate_sessions: set[str] = set()
+            self._exact_caps: dict[str, int] = {}  # request -> positions known exact
+            self._admitted_now: set[str] = set()  # sessions admitted in this scheduling pass
             self._warned_unsalted = False
         else:
             self.store = SpanStore()
             self.kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[str] = []
             self._loaded = None  # kvcmas's runtime on the same weights, loaded on first use
-            self._methods: dict[str, Method] = {}  # per namespace: pools never cross tenants
+            # Per (namespace, method): anchor pools never cross tenants.
+            self._methods: dict[tuple[str | None, str], Method] = {}
+            self._load_errors: set[int] = set()
             self._finished_saving: set[str] = set()
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
                            "injected_tokens": 0, "dropped_requests": 0, "built_requests": 0,
                            "span_tokens": 0, "served_tokens": 0, "computed_pairs": 0,
-                           "dense_pairs": 0, "injections": [], "builds": []}
+                           "dense_pairs": 0, "load_errors": 0, "injections": [], "builds": []}
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -195,21 +206,42 @@ class KvcmasConnector(KVConnectorBase_V1):
                            "--middleware kvcmas.serve.http.KvcmasMiddleware to salt by session")
             self._warned_unsalted = True
         method = params.method or self.method
+        session = session_key(params)
         claim = plan_claim(
-            self.index, session_key(params), request.prompt_token_ids, num_computed_tokens,
+            self.index, session, request.prompt_token_ids, num_computed_tokens,
             with_spans=method != "exact", min_span=self.min_span,
         )  # fmt: skip
+        if claim is not None and claim.spans and num_computed_tokens and (
+            session in self._admitted_now
+        ):
+            # Another request of the session was admitted in this pass: vLLM may have handed
+            # this one blocks that request computes only in this step's forward, after the
+            # worker would read them as context. Ask again next step.
+            return None, False
+        self._admitted_now.add(session)
+        self._note_exact_cap(request, session, num_computed_tokens)
         if claim is None:
             self._claims.pop(request.request_id, None)
             return 0, False
         self._claims[request.request_id] = (claim, params)
         return claim.length, False
 
+    def _note_exact_cap(self, request: Request, session: str, num_computed: int) -> None:
+        """In a session holding built KV, vLLM's own prefix hit is exact only as far as a
+        saved request vouches for it; remember the cap for when this request is saved."""
+        if session not in self._approximate_sessions or not num_computed:
+            return
+        vouched = self.index.longest_prefix(session, request.prompt_token_ids, exact_only=True)
+        exact = vouched.length if vouched else 0
+        if num_computed > exact:
+            self._exact_caps[request.request_id] = exact
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         pending = self._claims.pop(request.request_id, None)
         if num_external_tokens == 0 or pending is None:
+            self._claimed.pop(request.request_id, None)  # a readmission that claims nothing
             return
         claim, params = pending
         if num_external_tokens < claim.length:  # vLLM admitted only the claim's start
@@ -222,9 +254,12 @@ class KvcmasConnector(KVConnectorBase_V1):
         )  # fmt: skip
         self._pending.loads.append(LoadOrder(plan, params.test_noise_std))
         self._claimed[request.request_id] = claim
+        if claim.spans:
+            self._approximate_sessions.add(plan.session)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvcmasConnectorMetadata()
+        self._admitted_now.clear()  # the end of a scheduling pass
         return meta
 
     def request_finished(
@@ -235,7 +270,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         if params is None:
             return False, None
         claim = self._claimed.pop(request.request_id, None)
-        saved_tokens = self._order_save(request, params, block_ids, claim)
+        cap = self._exact_caps.pop(request.request_id, None)
+        saved_tokens = self._order_save(request, params, block_ids, claim, cap)
         info = {"kvcmas": {
             "method": params.method or self.method,
             "claimed_tokens": claim.length if claim else 0,
@@ -250,7 +286,12 @@ class KvcmasConnector(KVConnectorBase_V1):
         return saved_tokens > 0, info
 
     def _order_save(
-        self, request: Request, params: KvcmasParams, block_ids: list[int], claim: Claim | None
+        self,
+        request: Request,
+        params: KvcmasParams,
+        block_ids: list[int],
+        claim: Claim | None,
+        exact_cap: int | None,
     ) -> int:
         """Index the finished request as a source and order its copy; returns tokens saved."""
         # A request fed deliberately corrupted KV (test hook) must never become a source, nor
@@ -272,6 +313,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         # KV after the first span a method built is approximate (and so is everything that
         # attended to it): only the part before it may serve later exact claims.
         exact_upto = claim.exact_end if claim and claim.spans else num_tokens
+        if exact_cap is not None:  # its prefix-cache hit may hold built KV (_note_exact_cap)
+            exact_upto = min(exact_upto, exact_cap)
         admitted, evicted = self.index.add(
             request.request_id, session_key(params), params.agent, tokens,
             namespace=params.namespace, prompt_len=min(request.num_prompt_tokens, num_tokens),
@@ -311,16 +354,21 @@ class KvcmasConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvcmasConnectorMetadata):
             return
         changed = bool(meta.drops or meta.saves or meta.loads)
+        dropped = set(meta.drops)
         for key in meta.drops:
             self.store.drop(key)
             self._stats["dropped_requests"] += 1
         for order in meta.saves:
+            if order.key in dropped:  # evicted in the step it was admitted: only release
+                self._finished_saving.add(order.request_id)
+                continue
             self._save(order)
         for order in meta.loads:
-            self._load(order)
+            self._load_or_report(order)
         if not meta.loads:
-            # No claim to fill in this step: do the methods' deferred anchor construction now
-            # (the serving counterpart of `kvcmas run`'s idle time after a request).
+            # No claim to fill in this step: build the methods' deferred anchors now. This
+            # delays the step's decode by the SVDs it runs (the serving counterpart of `kvcmas
+            # run`'s idle time); under constant admissions a pool's next reader builds them.
             for method in self._methods.values():
                 method.flush()
         if changed:
@@ -342,11 +390,28 @@ class KvcmasConnector(KVConnectorBase_V1):
         kv = torch.stack([saved[name][:, :, offset : offset + length] for name in self._layers])
         return kv[:, 0], kv[:, 1]
 
+    def _load_or_report(self, order: LoadOrder) -> None:
+        """A failed load must not stop the engine: its blocks are reported, and vLLM
+        recomputes them (``kv_load_failure_policy: recompute``), with the error logged."""
+        try:
+            self._load(order)
+        except Exception:
+            plan = order.plan
+            logger.exception("KvcmasConnector: filling request %s failed; vLLM recomputes it",
+                             plan.request_id)
+            first, last = plan.start // self.block_size, (plan.end - 1) // self.block_size
+            self._load_errors.update(plan.block_ids[first : last + 1])
+            self._stats["load_errors"] += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
     def _load(self, order: LoadOrder) -> None:
         if not self.kv_caches:
             raise RuntimeError("KvcmasConnector: asked to load KV before vLLM registered caches")
         plan = order.plan
-        if plan.spans:
+        if plan.end > plan.exact_end:  # a method builds the rest (spans, text between them)
             self._build(plan)
         else:
             self._copy_exact(plan, order.noise_std)
@@ -374,10 +439,10 @@ class KvcmasConnector(KVConnectorBase_V1):
         the server's method takes its configured options, a per-request one its defaults."""
         from kvcmas.methods import make_method
 
-        key = f"{namespace or ''}/{name}"
+        key = (namespace, name)
         if key not in self._methods:
             options = self.method_options if name == self.method else {}
-            self._methods[key] = make_method(name, options)
+            self._methods[key] = make_method(method_for(name), options)
         return self._methods[key]
 
     def _model(self):
@@ -403,7 +468,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         s["served_tokens"] += sum(r.served_tokens for r in shared)
         s["computed_pairs"] += sum(r.computed_pairs for r in shared)
         s["dense_pairs"] += sum(r.length for r in shared) * n_layers
-        spans = [{"slot": r.slot, "start": r.start, "length": r.length, "decision": r.decision,
+        spans = [{"slot": r.slot, "kind": r.kind, "start": r.start, "length": r.length,
+                  "decision": r.decision,
                   "served_tokens": r.served_tokens, "computed_pairs": r.computed_pairs,
                   "entropy": r.entropy, "origin": p.origin.key, "latest": p.latest.key}
                  for r, p in zip(shared, plan.spans, strict=True)]
@@ -422,7 +488,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         stats = dict(self._stats, method=self.method, method_config=self.method_options,
                      store_bytes=self.store.num_bytes, store_requests=len(self.store),
                      method_state_bytes=pools,
-                     namespaces=len({key.split("/")[0] for key in self._methods}))
+                     namespaces=len({namespace for namespace, _ in self._methods}))
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)

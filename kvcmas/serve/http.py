@@ -2,10 +2,11 @@
 
 vLLM passes ``kv_transfer_params`` through to the engine unchecked, and the connector's
 scheduler side must never raise (it would stop the engine), so malformed ``kvcmas`` params are
-refused here with HTTP 400 naming the field. The middleware also gives each kvcmas request a
-per-session ``cache_salt`` unless the client set one, so the KV a connector loads enters vLLM's
-prefix cache only under that session's salt, and serves ``GET /kvcmas/stats`` from the JSON
-file the connector's worker writes (the engine runs in another process). No vllm import.
+refused here with HTTP 400 naming the field. The middleware also salts each kvcmas request by
+its (namespace, session) (a client's own salt is kept inside it), so the KV a connector loads
+enters vLLM's prefix cache only under that session's salt. It serves ``GET /kvcmas/stats``
+from the JSON file the connector's worker writes (the engine runs in another process).
+No vllm import.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ STATS_FILE_ENV = "KVCMAS_STATS_FILE"
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def session_cache_salt(session: str) -> str:
-    return f"kvcmas-session:{session}"
+def session_cache_salt(namespace: str | None, session: str, client_salt: str | None) -> str:
+    """The salt of a kvcmas request: its (namespace, session), so KV a connector loaded
+    reaches no other session or tenant; a client's own salt partitions further, and can never
+    join another session's blocks."""
+    return "kvcmas:" + json.dumps([namespace, session, client_salt])
 
 
 async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
@@ -67,8 +71,9 @@ class KvcmasMiddleware:
                 params = parse_kvcmas_params(request.get("kv_transfer_params"))
             except KvcmasParamsError as err:
                 return await _send_json(send, 400, _error(str(err), 400, "kv_transfer_params"))
-            if params is not None and not request.get("cache_salt"):
-                request["cache_salt"] = session_cache_salt(params.session)
+            if params is not None:
+                request["cache_salt"] = session_cache_salt(
+                    params.namespace, params.session, request.get("cache_salt") or None)
                 body = json.dumps(request).encode()
                 headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
                 headers.append((b"content-length", str(len(body)).encode()))

@@ -43,9 +43,10 @@ def check_method(method: str, options: dict | None = None) -> None:
             return
         from kvcmas.errors import ConfigError
         from kvcmas.methods import make_method
+        from kvcmas.serve.params import method_for
 
         try:
-            make_method(method, options or {})
+            make_method(method_for(method), options or {})
         except ConfigError as err:
             raise UsageError(str(err)) from None
         return
@@ -56,7 +57,8 @@ def check_method(method: str, options: dict | None = None) -> None:
     if cls is not None and cls.needs_hidden_states:
         why = "it needs hidden states, which a vLLM KV connector never sees"
     elif method == "nonshared":
-        why = "requests without kv_transfer_params are already plain vLLM on any kvcmas server"
+        why = ("requests without kv_transfer_params are plain vLLM on any kvcmas server; "
+               "'dense' prefills spans inside the connector's claim")
     elif cls is not None:
         why = "it is outside the connector's scope"
     else:
@@ -119,6 +121,8 @@ def server_command(cfg: ServeConfig) -> list[str]:
         "kv_connector": "KvcmasConnector",
         "kv_connector_module_path": "kvcmas.serve.connector",
         "kv_role": "kv_both",
+        # A claim the worker fails to fill is recomputed by vLLM (the error is logged).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "method": cfg.method, "store_bytes": cfg.store_bytes,
             "method_config": cfg.method_options or {},

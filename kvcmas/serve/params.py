@@ -21,11 +21,17 @@ TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
 # re-injects only the KV vLLM computed for an identical earlier prefix of the session; the
 # others are `kvcmas run`'s method objects, building every shared span of the session.
 # DroidSpeak and RelayCaching need hidden states, which a KV connector never sees.
-# "nonshared" prefills every span densely with kvcmas's runtime inside the claim: the exact
-# counterpart of the others, measuring what the connector itself costs.
+# "dense" prefills every span densely with kvcmas's runtime inside the claim (the NonShared
+# method): the exact counterpart of the others, measuring what the connector itself costs.
+# (Plain vLLM, with no kvcmas params, is what `kvcmas run --engine vllm` calls "nonshared".)
 CONNECTOR_METHODS = (
-    "exact", "nonshared", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
+    "exact", "dense", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
 )  # fmt: skip
+
+
+def method_for(connector_method: str) -> str:
+    """The `kvcmas run` method that builds a connector method's spans."""
+    return "nonshared" if connector_method == "dense" else connector_method
 
 
 class KvcmasParamsError(KvcmasError, ValueError):

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# Token windows the span index hashes: the shortest span it can find.
+GRAM = 16
+
 
 @dataclass(frozen=True)
 class SavedRequest:
@@ -96,7 +99,7 @@ class SpanIndex:
     O(1) instead of scanning every saved token.
     """
 
-    def __init__(self, capacity_bytes: int, bytes_per_token: int, gram: int = 16):
+    def __init__(self, capacity_bytes: int, bytes_per_token: int, gram: int = GRAM):
         if capacity_bytes < 0 or bytes_per_token <= 0:
             raise ValueError("capacity_bytes must be >= 0 and bytes_per_token > 0")
         if gram < 1:
@@ -185,17 +188,6 @@ class SpanIndex:
         (a token trie or block hashes would make it sublinear).
         """
         return self._longest(lambda e: e.session == session, prompt_ids, capped=exact_only)
-
-    def longest_exact_prefix(
-        self, namespace: str | None, prompt_ids: Sequence[int]
-    ) -> PrefixMatch | None:
-        """The saved request of any session of ``namespace`` with the longest exact prefix.
-
-        The length is capped at the request's ``exact_upto``: exact KV is a function of the
-        tokens alone, so sharing it across one tenant's sessions is as safe as vLLM's own
-        prefix cache; it never crosses namespaces. Marks the match as recently used.
-        """
-        return self._longest(lambda e: e.namespace == namespace, prompt_ids, capped=True)
 
     def _longest(
         self, eligible: Callable[[SavedRequest], bool], prompt_ids: Sequence[int], capped: bool

@@ -80,7 +80,8 @@ def markdown(results: dict[str, Any]) -> str:
         "other documents first. Fidelity (KL, agreement, rho, recompute) is measured with the "
         "methods in fp32 against NonShared in fp32, over hops 2+; speedups come from a separate "
         "timing pass and are NonShared's time over the point's (above 1 is faster). The noise "
-        "floor is NonShared in bf16, timed as the bf16 NonShared point. Frontier: not beaten "
+        "floor is NonShared in bf16 (dense work: its speed is the timing pass's NonShared "
+        "point). Frontier: not beaten "
         "on both TTFT speedup and first-token KL by another point of the same method.",
     ]
     for size in results["sizes"]:

@@ -139,7 +139,7 @@ def merge_points(points: list[Point], fid: dict, tim: dict) -> list[dict[str, An
     rows = []
     for label in labels:
         f, t = fid.get(label), tim.get(label)
-        if label == NOISE_FLOOR:  # dense prefill in bf16: timed as the bf16 NonShared point
+        if label == NOISE_FLOOR:  # dense prefill: timed as the timing pass's NonShared point
             t = tim.get("nonshared")
         rows.append(
             {
