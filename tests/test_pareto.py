@@ -49,6 +49,26 @@ def test_plan_points_nonshared_first_within_the_point_cap():
     assert all(len(v) <= MAX_POINTS for v in KNOBS.values())
 
 
+def test_given_points_replace_a_methods_grid():
+    args = parse("--methods", "kvcmas,cacheblend", "--max-points", "2", "--point",
+                 "kvcmas:tau=1.0,repair_head=64", "--point", "headrecompute:head_tokens=8")
+    check_args(args)
+    points = plan_points(args.methods, 30, args.max_points, args.points)
+    assert [p.label for p in points if p.method in ("kvcmas", "headrecompute")] == [
+        "kvcmas(tau=1.0,repair_head=64)", "headrecompute(head_tokens=8)"]
+    assert len([p for p in points if p.method == "cacheblend"]) == 2  # its grid, capped
+
+
+@pytest.mark.parametrize(
+    "point, message",
+    [("kvcmass:tau=1", "unknown method 'kvcmass'"), ("kvcmas:tau", "expected key=value"),
+     ("kvcmas:taux=1", "taux")],
+)
+def test_a_bad_point_is_refused_by_name(point, message):
+    with pytest.raises(UsageError, match=message):
+        check_args(parse("--point", point))
+
+
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)

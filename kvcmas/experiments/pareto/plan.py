@@ -11,6 +11,7 @@ builder (:mod:`kvcmas.experiments.context_sweep.documents`).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,14 +75,35 @@ def resolve(options: dict[str, Any], n_layers: int) -> dict[str, Any]:
     return options
 
 
-def plan_points(methods: list[str], n_layers: int, max_points: int) -> list[Point]:
-    """NonShared first (the reference of every ratio), then each method's knob points."""
+def parse_point(text: str) -> tuple[str, dict[str, str]]:
+    """``--point METHOD:key=value,...``: one knob point of a method, given explicitly."""
+    method, _, knobs = text.partition(":")
+    if method not in KNOBS:
+        raise UsageError(f"--point {text!r}: unknown method {method!r} (from {', '.join(KNOBS)})")
+    options = {}
+    for item in filter(None, knobs.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"--point {text!r}: expected key=value, got {item!r}")
+        options[key.strip()] = value.strip()
+    return method, options
+
+
+def plan_points(
+    methods: list[str],
+    n_layers: int,
+    max_points: int,
+    given: Sequence[tuple[str, dict[str, Any]]] = (),
+) -> list[Point]:
+    """NonShared first (the reference of every ratio), then each method's knob points; a
+    method with ``given`` points (``--point``) runs exactly those instead of its grid."""
     if not 1 <= max_points <= MAX_POINTS:
         raise UsageError(f"--max-points must be in 1..{MAX_POINTS}")
     order = ["nonshared"] + [m for m in methods if m != "nonshared"]
+    order += [m for m, _ in given if m not in order]
     points = []
     for m in order:
-        grid = KNOBS[m]
+        grid = [o for g, o in given if g == m] or KNOBS[m]
         if len(grid) > max_points:  # keep the ends and spread the rest evenly
             step = (len(grid) - 1) / max(1, max_points - 1)
             grid = [grid[round(i * step)] for i in range(max_points)]
@@ -96,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated, from {', '.join(DEFAULT_METHODS)} (NonShared always runs)",
     )  # fmt: skip
     p.add_argument("--max-points", type=int, default=MAX_POINTS, help="knob points per method")
+    p.add_argument(
+        "--point", dest="points", action="append", type=parse_point, default=[],
+        metavar="METHOD:K=V,...", help="run this knob point (repeatable); a method given "
+        "points runs only those, e.g. kvcmas:tau=1.0,repair_max=0.1,repair_head=64",
+    )  # fmt: skip
     p.add_argument("--agents", type=int, default=4, help=f"chain length (2-{len(ROLES)})")
     p.add_argument("--output-tokens", type=int, default=128, help="tokens per agent output")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests (stateful methods)")
@@ -117,7 +144,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not 2 <= args.agents <= len(ROLES):
         raise UsageError(f"--agents must be in 2..{len(ROLES)}")
     try:
-        for point in plan_points(args.methods, 30, args.max_points):
+        for point in plan_points(args.methods, 30, args.max_points, args.points):
             make_method(point.method, point.options)
     except ConfigError as e:
         raise UsageError(str(e)) from None

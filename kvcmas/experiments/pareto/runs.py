@@ -101,7 +101,7 @@ def speedup(summary: dict[str, Any] | None, ratio: str) -> float | None:
 def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     reference = load_model(args.model, "fp32")
     n_layers = reference.config.n_layers
-    points = plan_points(args.methods, n_layers, args.max_points)
+    points = plan_points(args.methods, n_layers, args.max_points, args.points)
     workflow = trace_workflow(args.agents, args.output_tokens)
     overhead = overhead_tokens(reference.tokenizer, workflow)
     sizes, capped = cap_sizes(args.sizes, reference.config.max_position - overhead)
