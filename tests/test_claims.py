@@ -1,0 +1,52 @@
+"""What the connector's scheduler claims of a prompt (kvcmas.serve.claims), without vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcmas.serve.claims import plan_claim
+from kvcmas.serve.span_store import SpanIndex
+
+
+def fresh(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def index_with(*requests) -> SpanIndex:
+    index = SpanIndex(1 << 30, 1)
+    for key, agent, tokens, prompt_len, exact_upto in requests:
+        index.add(key, "S", agent, tokens, prompt_len=prompt_len, exact_upto=exact_upto)
+    return index
+
+
+def test_claim_is_exact_run_then_spans_up_to_the_last_one():
+    system, doc, reply = fresh(1000, 20), fresh(2000, 50), fresh(3000, 40)
+    first = system + doc + fresh(4000, 5)  # the analyst's prompt, then its reply
+    index = index_with(("a", "analyst", first + reply, len(first), len(first) + 40))
+    prompt = system + fresh(5000, 6) + doc + fresh(6000, 4) + reply + fresh(7000, 8)
+    claim = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32)
+    assert claim.exact_key == "a" and claim.exact_end == 20  # the shared system prompt
+    assert [(s.start, s.length, s.slot, s.kind) for s in claim.spans] == [
+        (26, 50, "in:analyst", "input"), (80, 40, "out:analyst", "agent")]
+    assert claim.spans[1].origin.offset == len(first)
+    assert (claim.start, claim.end) == (0, 120)  # vLLM computes the last 8 tokens
+    cut = claim.cut(90)  # vLLM took fewer tokens: the second span is shortened
+    assert cut.end == 90 and cut.spans[1].length == 10
+    # "exact" claims only the exact run; nothing to claim past vLLM's own prefix: None.
+    assert plan_claim(index, "S", prompt, 0, with_spans=False).end == 20
+    assert plan_claim(index, "S", prompt, 20, with_spans=False) is None
+    assert plan_claim(index, "T", prompt, 0, with_spans=True) is None  # another session
+
+
+def test_exact_run_stops_where_the_saved_kv_was_built():
+    tokens = fresh(0, 100)
+    index = index_with(("a", "x", tokens, 100, 30))  # positions 30.. were built by a method
+    claim = plan_claim(index, "S", tokens + [7], 0, with_spans=False)
+    assert claim.end == claim.exact_end == 30
+
+
+def test_the_claim_leaves_the_last_prompt_token_to_vllm():
+    tokens = fresh(0, 64)
+    index = index_with(("a", "x", tokens, 64, 64))
+    claim = plan_claim(index, "S", np.array(tokens), 0, with_spans=True)
+    assert claim.end == 63
