@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvcmas.methods.base import ReuseCounts
 from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
@@ -461,13 +462,13 @@ class KvcmasConnector(KVConnectorBase_V1):
         records = build_range(plan, self._method(plan.namespace, plan.method), model, layers,
                               self._read_source)
         shared = [r for r in records if r.slot is not None]
-        n_layers = model.config.n_layers
+        counts = ReuseCounts.of(records, model.config.n_layers)  # the one definition of reuse
         s = self._stats
         s["built_requests"] += 1
-        s["span_tokens"] += sum(r.length for r in shared)
-        s["served_tokens"] += sum(r.served_tokens for r in shared)
-        s["computed_pairs"] += sum(r.computed_pairs for r in shared)
-        s["dense_pairs"] += sum(r.length for r in shared) * n_layers
+        s["span_tokens"] += counts.shared_tokens
+        s["served_tokens"] += counts.served_tokens
+        s["computed_pairs"] += counts.computed_pairs
+        s["dense_pairs"] += counts.dense_pairs
         spans = [{"slot": r.slot, "kind": r.kind, "start": r.start, "length": r.length,
                   "decision": r.decision,
                   "served_tokens": r.served_tokens, "computed_pairs": r.computed_pairs,

@@ -12,7 +12,7 @@ No vllm import here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,18 +187,13 @@ class SpanIndex:
         ``exact_upto``. Marks the match as recently used. Linear in the session's saved tokens
         (a token trie or block hashes would make it sublinear).
         """
-        return self._longest(lambda e: e.session == session, prompt_ids, capped=exact_only)
-
-    def _longest(
-        self, eligible: Callable[[SavedRequest], bool], prompt_ids: Sequence[int], capped: bool
-    ) -> PrefixMatch | None:
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         best: PrefixMatch | None = None
         for entry in reversed(self._entries.values()):  # newest first wins ties
-            if not eligible(entry):
+            if entry.session != session:
                 continue
             length = common_prefix_length(entry.token_ids, prompt)
-            if capped:
+            if exact_only:
                 length = min(length, entry.exact_upto)
             if length and (best is None or length > best.length):
                 best = PrefixMatch(entry.key, length)
