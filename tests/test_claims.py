@@ -35,7 +35,10 @@ def test_claim_is_exact_run_then_spans_up_to_the_last_one():
     # "exact" claims only the exact run; nothing to claim past vLLM's own prefix: None.
     assert plan_claim(index, "S", prompt, 0, with_spans=False).end == 20
     assert plan_claim(index, "S", prompt, 20, with_spans=False) is None
-    assert plan_claim(index, "T", prompt, 0, with_spans=True) is None  # another session
+    # Another session of the namespace: only the exact run (the system prompt), no spans.
+    other = plan_claim(index, "T", prompt, 0, with_spans=True)
+    assert (other.exact_key, other.end, other.spans) == ("a", 20, [])
+    assert plan_claim(index, "T", prompt, 0, with_spans=True, namespace="tenant-2") is None
 
 
 def test_exact_run_stops_where_the_saved_kv_was_built():
@@ -43,6 +46,8 @@ def test_exact_run_stops_where_the_saved_kv_was_built():
     index = index_with(("a", "x", tokens, 100, 30))  # positions 30.. were built by a method
     claim = plan_claim(index, "S", tokens + [7], 0, with_spans=False)
     assert claim.end == claim.exact_end == 30
+    # Built KV stays in its session: another one gets the same exact cap, never more.
+    assert plan_claim(index, "T", tokens + [7], 0, with_spans=False).end == 30
 
 
 def test_the_claim_leaves_the_last_prompt_token_to_vllm():

@@ -55,6 +55,18 @@ def test_exact_prefix_is_capped_by_exact_upto_within_the_session():
     assert list(index._entries)[-1] == "e"  # marked recently used
 
 
+def test_exact_prefix_crosses_sessions_within_a_namespace_only():
+    index = big_index()
+    ten = list(range(1, 11))
+    index.add("a", "S1", "x", ten, exact_upto=4)  # built past 4: that part stays in S1
+    index.add("b", "S2", "x", ten[:6] + [0, 0])
+    index.add("c", "T1", "x", ten, namespace="tenant")
+    # Any session of the default namespace vouches for its exact KV: "b" holds 6 exact tokens.
+    assert index.longest_exact_prefix(None, ten) == PrefixMatch("b", 6)
+    assert index.longest_exact_prefix("tenant", ten) == PrefixMatch("c", 10)
+    assert index.longest_exact_prefix("nobody", ten) is None
+
+
 def test_find_spans_finds_copied_runs_anywhere_and_tells_prompt_from_output():
     index = big_index()
     rng = np.random.default_rng(1)

@@ -318,18 +318,27 @@ def test_corrupted_injection_changes_the_answer(server):
 
 
 @pytest.mark.vllm
-def test_no_cross_session_reuse(server):
+def test_only_exact_prefix_kv_crosses_sessions_and_never_namespaces(server):
+    """A new session of the namespace reads exact prefix KV another session saved (how its
+    agents' system prompts are paid once), exactly; spans never cross sessions (see the
+    concurrent test), another namespace and plain requests get nothing."""
     ids = prompt_ids(server, "Epsilon")
+    reference = plain(server, ids)
     source = complete(server, ids, session="S-private")
     wait_for_saves(server, source.kvcmas["saved_requests_total"])
     before = stats(server).get("injected_tokens", 0)
-    other = complete(server, ids, session="T-private")
-    assert other.kvcmas["claimed_tokens"] == 0
-    assert other.cached_tokens == 0  # the session salt keeps vLLM's prefix cache apart too
-    assert stats(server)["injected_tokens"] == before
+    other = complete(server, ids, session="T-private", method="fullshared")
+    assert other.local_hit == 0  # the session salt keeps vLLM's prefix cache apart
+    assert other.kvcmas["claimed_tokens"] == len(ids) - 1 and other.kvcmas["spans"] == 0
+    assert other.tokens == reference.tokens
+    assert float(np.max(np.abs(other.logprobs - reference.logprobs))) < 1e-5
+    after = stats(server)["injected_tokens"]
+    assert after - before == len(ids) - 1
+    tenant = complete(server, ids, session="S-private", namespace="another-tenant")
+    assert tenant.kvcmas["claimed_tokens"] == 0 and tenant.cached_tokens == 0
     unsalted = complete(server, ids)  # plain vLLM: neither S's blocks nor the connector
     assert unsalted.cached_tokens == 0 and unsalted.kvcmas == {}
-    assert stats(server)["injected_tokens"] == before
+    assert stats(server)["injected_tokens"] == after
 
 
 @pytest.mark.vllm

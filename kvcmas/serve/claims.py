@@ -3,8 +3,10 @@
 vLLM lets a connector claim one run of tokens, directly after the prefix vLLM computed itself
 (``num_computed``), once. So the claim covers, in order:
 
-1. an *exact run*: the prompt continues a saved request of the same session token for token,
-   over that request's exact KV (``exact_upto``: before any KV a method approximated);
+1. an *exact run*: the prompt continues a saved request token for token, over that
+   request's exact KV (``exact_upto``: before any KV a method approximated); the request
+   may be of any session of the namespace (exact KV is the same whoever computed it: this is
+   how a new session reads its agents' system prompts);
 2. then every *shared span* of the rest: a run of at least ``min_span`` tokens equal to tokens
    of an earlier prompt or output of the session, found by token matching
    (:meth:`kvcmas.serve.span_store.SpanIndex.find_spans`); the private text between spans is
@@ -77,11 +79,13 @@ def plan_claim(
     *,
     with_spans: bool,
     min_span: int = DEFAULT_MIN_SPAN,
+    namespace: str | None = None,
 ) -> Claim | None:
-    """The claim for a prompt, or None when the connector supplies nothing."""
+    """The claim for a prompt of ``session`` (in ``namespace``), or None when the connector
+    supplies nothing. Spans come from the session only; the exact run from the namespace."""
     last = len(prompt_ids) - 1  # vLLM must compute the last prompt token itself
     claim = Claim(num_computed, num_computed, exact_end=num_computed)
-    exact = index.longest_prefix(session, prompt_ids, exact_only=True)
+    exact = index.longest_exact_prefix(namespace, prompt_ids)
     if exact is not None and min(exact.length, last) > num_computed:
         claim.exact_key, claim.exact_end = exact.key, min(exact.length, last)
         claim.end = claim.exact_end

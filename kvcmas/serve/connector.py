@@ -210,7 +210,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         session = session_key(params)
         claim = plan_claim(
             self.index, session, request.prompt_token_ids, num_computed_tokens,
-            with_spans=method != "exact", min_span=self.min_span,
+            with_spans=method != "exact", min_span=self.min_span, namespace=params.namespace,
         )  # fmt: skip
         if claim is not None and claim.spans and num_computed_tokens and (
             session in self._admitted_now

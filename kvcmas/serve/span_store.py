@@ -184,13 +184,31 @@ class SpanIndex:
 
         A shared prefix is what makes saved KV exact (the KV of token p depends on tokens
         0..p) where the saved request's own KV was: ``exact_only`` caps the length at its
-        ``exact_upto``. Marks the match as recently used. Linear in the session's saved tokens
-        (a token trie or block hashes would make it sublinear).
+        ``exact_upto``. Marks the match as recently used.
         """
+        return self._longest(prompt_ids, lambda e: e.session == session, exact_only)
+
+    def longest_exact_prefix(
+        self, namespace: str | None, prompt_ids: Sequence[int]
+    ) -> PrefixMatch | None:
+        """The longest exact prefix any session of ``namespace`` saved (capped at each
+        request's ``exact_upto``).
+
+        Exact KV of the same tokens at the same positions is the same whoever computed it,
+        so sharing it across a tenant's sessions is what vLLM's prefix cache does: a new
+        session reads its agents' system prompts instead of prefilling them again. KV a
+        method approximated (past ``exact_upto``) never crosses sessions, nor anything
+        crosses namespaces.
+        """
+        return self._longest(prompt_ids, lambda e: e.namespace == namespace, True)
+
+    def _longest(self, prompt_ids, eligible, exact_only: bool) -> PrefixMatch | None:
+        """Linear in the eligible saved tokens (a token trie or block hashes would make it
+        sublinear; a prompt against a few hundred saved requests takes about a ms)."""
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         best: PrefixMatch | None = None
         for entry in reversed(self._entries.values()):  # newest first wins ties
-            if entry.session != session:
+            if not eligible(entry):
                 continue
             length = common_prefix_length(entry.token_ids, prompt)
             if exact_only:
