@@ -285,10 +285,10 @@ class ScriptedClient:
     def stats(self):
         return {"method": self.method}
 
-    def complete(self, model, prompt_ids, max_tokens, stop_ids, kvcmas=None):
+    def complete(self, model, prompt_ids, max_tokens, stop_ids, kvcmas=None, ignore_eos=False):
         from kvcmas.serve.client import Completion
 
-        assert STOP in stop_ids
+        assert (STOP in stop_ids) != ignore_eos  # ignore_eos: no stop ids, vLLM's option
         self.sent.append((list(prompt_ids), max_tokens, kvcmas))
         ids = self.replies.pop(0)
         return Completion(ids, False, 0.1, 0.2, len(prompt_ids), 5, 3 if kvcmas else 0)

@@ -23,14 +23,20 @@ import argparse
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvcmas.chat import Segment, render_segments, tokenize
 from kvcmas.errors import UsageError, WorkflowError
 from kvcmas.methods.base import ReuseCounts, SegmentRecord
 from kvcmas.model.generate import stop_ids
-from kvcmas.serve.client import Completion, EngineClient, EngineError, ModelSide
+from kvcmas.serve.client import (
+    AsyncEngineClient,
+    Completion,
+    EngineClient,
+    EngineError,
+    ModelSide,
+)
 from kvcmas.serve.params import CONNECTOR_METHODS
 from kvcmas.workflow.runner import HopResult, RequestResult
 from kvcmas.workflow.spec import AgentSpec, Workflow
@@ -83,63 +89,61 @@ def check_engine_method(method: str) -> None:
         )
 
 
-class EngineRunner:
-    """Runs requests through a server: one session per request, hops in workflow order."""
+@dataclass(frozen=True)
+class HopRequest:
+    """One hop as sent: its rendered segments, the prompt ids and the kvcmas params."""
+
+    agent: AgentSpec
+    segments: list[Segment]
+    prompt: list[int]
+    reply_prefix: tuple[int, ...]
+    params: dict[str, str] | None  # None: plain vLLM
+
+
+class _HopBuilder:
+    """What the sync and async runners share: a hop's prompt from the workflow and the
+    replies so far, and its result from the server's answer. A session is one request;
+    its hops run in workflow order."""
 
     def __init__(
         self,
         side: ModelSide,
         workflow: Workflow,
-        client: EngineClient,
         method: str,
         namespace: str | None = None,
+        ignore_eos: bool = False,
     ):
         check_engine_method(method)
-        self.side, self.workflow, self.client = side, workflow, client
+        self.side, self.workflow = side, workflow
         self.method, self.namespace = method, namespace
-        self._check_server()
-        self.stop = stop_ids(side)
+        # With ignore_eos every agent writes exactly its max_new_tokens (controlled traces):
+        # an end-of-turn token the model picks stays in the reply as an ordinary token.
+        self.ignore_eos = ignore_eos
+        self.stop = set() if ignore_eos else stop_ids(side)
         tok = side.tokenizer
         self._reply_prefixes = {a.name: tokenize(tok, a.reply_prefix) for a in workflow.agents}
 
-    def _check_server(self) -> None:
-        served = self.client.served_models()
+    def _check_server(self, base_url: str, served: list[str], stats: dict | None) -> None:
         if self.side.name not in served:
             raise EngineError(
-                f"the server at {self.client.base_url} serves {', '.join(served)}, not "
+                f"the server at {base_url} serves {', '.join(served)}, not "
                 f"{self.side.name}: pass the --model it was started with"
             )
-        if self.method == PLAIN:
-            return
-        stats = self.client.stats()
-        if stats is None:
+        if self.method != PLAIN and stats is None:
             raise EngineError(
-                f"the server at {self.client.base_url} has no kvcmas connector "
+                f"the server at {base_url} has no kvcmas connector "
                 "(GET /kvcmas/stats failed): start it with `kvcmas serve`"
             )
 
-    def run(self, request: dict) -> RequestResult:
+    def _session(self, request: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
+        """The request's session id and its input slots as token ids (checked first)."""
         self.workflow.check_request(request)
         session = str(request.get("session") or uuid.uuid4().hex)
         tok = self.side.tokenizer
-        slot_tokens = {s: tokenize(tok, request[s].strip()) for s in self.workflow.inputs()}
-        start = time.perf_counter()
-        hops = [
-            self._run_hop(self.workflow.agent(name), slot_tokens, session)
-            for name in self.workflow.order
-        ]
-        latency = time.perf_counter() - start
-        final = next(h for h in hops if h.agent == self.workflow.final).output
-        return RequestResult(
-            str(request.get("id", session)), self.method, final, hops, latency_s=latency,
-            background_s=None, cpu_s=None,  # spent in the server process
-        )
+        return session, {s: tokenize(tok, request[s].strip()) for s in self.workflow.inputs()}
 
-    def run_stream(self, requests: Iterable[dict]) -> Iterator[RequestResult]:
-        for i, request in enumerate(requests):
-            yield self.run({"id": str(i), **request})
-
-    def _run_hop(self, agent: AgentSpec, slot_tokens: dict, session: str) -> EngineHopResult:
+    def _hop_request(self, name: str, slot_tokens: dict, session: str) -> HopRequest:
+        agent = self.workflow.agent(name)
         reply_prefix = self._reply_prefixes[agent.name]
         segments = render_segments(
             self.side.tokenizer, agent.system, agent.prompt, slot_tokens, reply_prefix
@@ -159,28 +163,26 @@ class EngineRunner:
             params = {"session": session, "agent": agent.name, "method": self.method}
             if self.namespace:
                 params["namespace"] = self.namespace
-        done = self.client.complete(
-            self.side.name, prompt, agent.max_new_tokens, self.stop, params
-        )
-        reply = reply_prefix + tuple(done.token_ids)
-        slot_tokens[agent.name] = reply  # later agents read the reply as its token ids
-        return self._hop_result(agent, segments, done, reply)
+        return HopRequest(agent, segments, prompt, reply_prefix, params)
 
-    def _hop_result(
-        self, agent: AgentSpec, segments: list[Segment], done: Completion, reply: tuple
-    ) -> EngineHopResult:
+    def _send_args(self, hop: HopRequest) -> tuple:
+        return self.side.name, hop.prompt, hop.agent.max_new_tokens, self.stop, hop.params
+
+    def _hop_done(self, hop: HopRequest, done: Completion, slot_tokens: dict) -> EngineHopResult:
+        reply = hop.reply_prefix + tuple(done.token_ids)
+        slot_tokens[hop.agent.name] = reply  # later agents read the reply as its token ids
         n_layers = self.side.config.n_layers
         served = done.cached_tokens or 0
-        records = served_records(segments, served, self.workflow, n_layers)
+        records = served_records(hop.segments, served, self.workflow, n_layers)
         if done.build is not None:  # a method built spans: its own account of each
             records = built_records(done.build)
         return EngineHopResult(
-            agent=agent.name,
+            agent=hop.agent.name,
             method=self.method,
             ttft_s=done.ttft_s,
             latency_s=done.latency_s,
             prompt_tokens=done.prompt_tokens,
-            prefix_tokens=min(served, len(segments[0])),
+            prefix_tokens=min(served, len(hop.segments[0])),
             prefilled_tokens=done.prompt_tokens - served,
             reuse=ReuseCounts.of(records, n_layers),
             output=self.side.tokenizer.decode(reply, skip_special_tokens=True),
@@ -194,6 +196,83 @@ class EngineRunner:
             cached_tokens=done.cached_tokens,
             claimed_tokens=done.claimed_tokens,
         )
+
+    def _request_result(
+        self, request: dict, session: str, hops: list[EngineHopResult], latency_s: float
+    ) -> RequestResult:
+        final = next(h for h in hops if h.agent == self.workflow.final).output
+        return RequestResult(
+            str(request.get("id", session)), self.method, final, hops, latency_s=latency_s,
+            background_s=None, cpu_s=None,  # spent in the server process
+        )
+
+
+class EngineRunner(_HopBuilder):
+    """Runs requests through a server, one at a time (checks the server first)."""
+
+    def __init__(
+        self,
+        side: ModelSide,
+        workflow: Workflow,
+        client: EngineClient,
+        method: str,
+        namespace: str | None = None,
+        ignore_eos: bool = False,
+    ):
+        super().__init__(side, workflow, method, namespace, ignore_eos)
+        self.client = client
+        stats = None if method == PLAIN else client.stats()
+        self._check_server(client.base_url, client.served_models(), stats)
+
+    def run(self, request: dict) -> RequestResult:
+        session, slot_tokens = self._session(request)
+        start = time.perf_counter()
+        hops = []
+        for name in self.workflow.order:
+            hop = self._hop_request(name, slot_tokens, session)
+            done = self.client.complete(*self._send_args(hop), ignore_eos=self.ignore_eos)
+            hops.append(self._hop_done(hop, done, slot_tokens))
+        return self._request_result(request, session, hops, time.perf_counter() - start)
+
+    def run_stream(self, requests: Iterable[dict]) -> Iterator[RequestResult]:
+        for i, request in enumerate(requests):
+            yield self.run({"id": str(i), **request})
+
+
+class AsyncEngineRunner(_HopBuilder):
+    """Runs sessions concurrently in one event loop (``await check_server()`` once first).
+    :meth:`hops` yields each hop as it completes, so a load generator can stop a session
+    between hops and keep what it measured."""
+
+    def __init__(
+        self,
+        side: ModelSide,
+        workflow: Workflow,
+        client: AsyncEngineClient,
+        method: str,
+        namespace: str | None = None,
+        ignore_eos: bool = False,
+    ):
+        super().__init__(side, workflow, method, namespace, ignore_eos)
+        self.client = client
+
+    async def check_server(self) -> None:
+        stats = None if self.method == PLAIN else await self.client.stats_async()
+        self._check_server(self.client.base_url, await self.client.served_models(), stats)
+
+    async def hops(self, request: dict) -> AsyncIterator[EngineHopResult]:
+        session, slot_tokens = self._session(request)
+        for name in self.workflow.order:
+            hop = self._hop_request(name, slot_tokens, session)
+            done = await self.client.complete(*self._send_args(hop), ignore_eos=self.ignore_eos)
+            yield self._hop_done(hop, done, slot_tokens)
+
+    async def run(self, request: dict) -> RequestResult:
+        request = {"session": uuid.uuid4().hex, **request}
+        start = time.perf_counter()
+        hops = [hop async for hop in self.hops(request)]
+        return self._request_result(
+            request, request["session"], hops, time.perf_counter() - start)
 
 
 def print_engine_table(result: RequestResult) -> None:

@@ -4,6 +4,8 @@ Prompts are sent as token ids (``prompt=[ids]`` on the completions endpoint) so 
 sees exactly the tokens kvcmas rendered, and replies come back as token ids
 (``return_token_ids``), so a later agent can read an earlier one's reply token for token. A
 request is streamed: its TTFT is the arrival of the first chunk that carries a token.
+:class:`EngineClient` (sequential runs) and :class:`AsyncEngineClient` (many sessions at once,
+for load generation) share the request's arguments and the parsing of its stream.
 
 Which prompt tokens the server did not compute comes from two places: the streamed usage
 (``prompt_tokens_details.cached_tokens``: vLLM's own prefix cache plus the connector's claim)
@@ -14,11 +16,14 @@ its internal request id. A streamed response carries no ``kv_transfer_params``, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,24 +75,97 @@ def api_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
-        import openai
+def served_by_connector(stats: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
+    """Tokens the connector injected for a request and the record of what its method built,
+    from the worker's logs (written before the forward that produced the first token)."""
+    if stats is None or "injections" not in stats:
+        return {"claimed_tokens": None}
+    claimed = sum(e["length"] for e in stats["injections"] if request_id in e["request_id"])
+    builds = [b for b in stats.get("builds", []) if request_id in b["request_id"]]
+    return {"claimed_tokens": claimed, "build": builds[-1] if builds else None}
 
-        self.base_url = base_url
-        self.root = api_root(base_url)
-        self.openai = openai.OpenAI(
-            base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-            timeout=timeout_s, max_retries=0,
+
+@contextmanager
+def engine_errors(base_url: str) -> Iterator[None]:
+    """The openai client's connection and status errors as :class:`EngineError`."""
+    import openai
+
+    try:
+        yield
+    except openai.APIConnectionError as err:
+        raise EngineError(f"no server answers at {base_url}: {err}") from None
+    except openai.APIStatusError as err:
+        raise EngineError(f"the server refused the request ({err.status_code}): "
+                          f"{err.message}") from None
+
+
+class _Stream:
+    """One streamed completion as it arrives: token ids, first-token time, usage."""
+
+    def __init__(self, prompt_ids: list[int], stop_ids: set[int]):
+        self.prompt_ids, self.stop_ids = prompt_ids, stop_ids
+        self.request_id = f"kvcmas-{uuid.uuid4().hex}"
+        self.ids: list[int] = []
+        self.ttft: float | None = None
+        self.usage = self.finish = None
+        self.start = time.perf_counter()
+
+    def request(
+        self, model: str, max_tokens: int, kvcmas: dict[str, str] | None, ignore_eos: bool
+    ) -> dict[str, Any]:
+        """The keyword arguments of ``completions.create`` (sync and async alike)."""
+        extra: dict[str, Any] = {"return_token_ids": True,
+                                 "stop_token_ids": sorted(self.stop_ids)}
+        if ignore_eos:
+            extra["ignore_eos"] = True
+        if kvcmas is not None:
+            extra["kv_transfer_params"] = {"kvcmas": kvcmas}
+        return dict(
+            model=model, prompt=[self.prompt_ids], max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body=extra,
+            extra_headers={"X-Request-Id": self.request_id},
         )
 
-    def served_models(self) -> list[str]:
-        import openai
+    def add(self, chunk: Any) -> bool:
+        """Take one chunk; True when it carried the first token."""
+        first = False
+        for choice in chunk.choices:
+            new = (choice.model_extra or {}).get("token_ids") or []
+            if new and self.ttft is None:
+                self.ttft, first = time.perf_counter() - self.start, True
+            self.ids.extend(new)
+            self.finish = choice.finish_reason or self.finish
+        self.usage = chunk.usage or self.usage
+        return first
 
-        try:
-            return [m.id for m in self.openai.models.list().data]
-        except openai.APIConnectionError as err:
-            raise EngineError(f"no server answers at {self.base_url}: {err}") from None
+    def completion(self, served: dict[str, Any]) -> Completion:
+        latency = time.perf_counter() - self.start
+        ids = self.ids
+        hit_stop = self.finish == "stop" and bool(ids) and ids[-1] in self.stop_ids
+        if hit_stop:
+            ids.pop()  # the local runner's decode leaves the stop token out of the reply
+        usage = self.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        return Completion(
+            token_ids=ids,
+            hit_stop=hit_stop,
+            ttft_s=latency if self.ttft is None else self.ttft,
+            latency_s=latency,
+            prompt_tokens=usage.prompt_tokens if usage is not None else len(self.prompt_ids),
+            cached_tokens=(details.cached_tokens or 0) if details is not None else None,
+            **served,
+        )
+
+
+class _ClientBase:
+    def __init__(self, base_url: str, timeout_s: float):
+        self.base_url = base_url
+        self.root = api_root(base_url)
+        self.timeout_s = timeout_s
+
+    def _openai_options(self) -> dict[str, Any]:
+        return dict(base_url=self.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
+                    timeout=self.timeout_s, max_retries=0)
 
     def stats(self) -> dict[str, Any] | None:
         """The connector's counters, or None where the server has no kvcmas stats."""
@@ -97,6 +175,18 @@ class EngineClient:
         except (OSError, ValueError):  # HTTPError and URLError are OSErrors
             return None  # plain vLLM (404), no stats file configured, or no answer
 
+
+class EngineClient(_ClientBase):
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        import openai
+
+        super().__init__(base_url, timeout_s)
+        self.openai = openai.OpenAI(**self._openai_options())
+
+    def served_models(self) -> list[str]:
+        with engine_errors(self.base_url):
+            return [m.id for m in self.openai.models.list().data]
+
     def complete(
         self,
         model: str,
@@ -104,71 +194,69 @@ class EngineClient:
         max_tokens: int,
         stop_ids: set[int],
         kvcmas: dict[str, str] | None = None,
+        ignore_eos: bool = False,
     ) -> Completion:
         """Greedy completion of ``prompt_ids``; ``kvcmas`` is the request's kvcmas params
-        (session, agent, namespace) or None for a plain vLLM request."""
+        (session, agent, namespace) or None for a plain vLLM request; ``ignore_eos`` runs to
+        ``max_tokens`` (vLLM's option)."""
+        stream = _Stream(prompt_ids, stop_ids)
+        with engine_errors(self.base_url):
+            for chunk in self.openai.completions.create(
+                **stream.request(model, max_tokens, kvcmas, ignore_eos)
+            ):
+                stream.add(chunk)
+        served = {"claimed_tokens": 0} if kvcmas is None else served_by_connector(
+            self.stats(), stream.request_id)
+        return stream.completion(served)
+
+
+class AsyncEngineClient(_ClientBase):
+    """:class:`EngineClient` on ``openai.AsyncOpenAI``, for many sessions in one event loop.
+    The connector's logs are read as the first token arrives (they are complete then), while
+    the rest streams, so a busy server's short log window still holds the request."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
         import openai
 
-        try:
-            return self._complete(model, prompt_ids, max_tokens, stop_ids, kvcmas)
-        except openai.APIConnectionError as err:
-            raise EngineError(f"no server answers at {self.base_url}: {err}") from None
-        except openai.APIStatusError as err:
-            raise EngineError(f"the server refused the request ({err.status_code}): "
-                              f"{err.message}") from None
+        super().__init__(base_url, timeout_s)
+        self.openai = openai.AsyncOpenAI(**self._openai_options())
 
-    def _complete(
+    async def served_models(self) -> list[str]:
+        with engine_errors(self.base_url):
+            return [m.id async for m in self.openai.models.list()]
+
+    async def stats_async(self) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self.stats)
+
+    async def complete(
         self,
         model: str,
         prompt_ids: list[int],
         max_tokens: int,
         stop_ids: set[int],
-        kvcmas: dict[str, str] | None,
+        kvcmas: dict[str, str] | None = None,
+        ignore_eos: bool = False,
     ) -> Completion:
-        request_id = f"kvcmas-{uuid.uuid4().hex}"
-        extra: dict[str, Any] = {"return_token_ids": True, "stop_token_ids": sorted(stop_ids)}
-        if kvcmas is not None:
-            extra["kv_transfer_params"] = {"kvcmas": kvcmas}
-        start = time.perf_counter()
-        stream = self.openai.completions.create(
-            model=model, prompt=[prompt_ids], max_tokens=max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}, extra_body=extra,
-            extra_headers={"X-Request-Id": request_id},
-        )
-        ids: list[int] = []
-        ttft = None
-        usage = finish = None
-        for chunk in stream:
-            for choice in chunk.choices:
-                new = (choice.model_extra or {}).get("token_ids") or []
-                if new and ttft is None:
-                    ttft = time.perf_counter() - start
-                ids.extend(new)
-                finish = choice.finish_reason or finish
-            usage = chunk.usage or usage
-        latency = time.perf_counter() - start
-        hit_stop = finish == "stop" and bool(ids) and ids[-1] in stop_ids
-        if hit_stop:
-            ids.pop()  # the local runner's decode leaves the stop token out of the reply
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = (details.cached_tokens or 0) if details is not None else None
-        return Completion(
-            token_ids=ids,
-            hit_stop=hit_stop,
-            ttft_s=latency if ttft is None else ttft,
-            latency_s=latency,
-            prompt_tokens=usage.prompt_tokens if usage is not None else len(prompt_ids),
-            cached_tokens=cached,
-            **(self._served(request_id) if kvcmas is not None else {"claimed_tokens": 0}),
-        )
+        """As :meth:`EngineClient.complete`; cancelling it closes the stream (vLLM aborts)."""
+        stream = _Stream(prompt_ids, stop_ids)
+        logs = None
+        try:
+            with engine_errors(self.base_url):
+                response = await self.openai.completions.create(
+                    **stream.request(model, max_tokens, kvcmas, ignore_eos))
+                async with response:
+                    async for chunk in response:
+                        if stream.add(chunk) and kvcmas is not None:
+                            logs = asyncio.create_task(self.stats_async())
+            if kvcmas is None:
+                served: dict[str, Any] = {"claimed_tokens": 0}
+            else:
+                stats = await (logs if logs is not None else self.stats_async())
+                served = served_by_connector(stats, stream.request_id)
+        finally:
+            if logs is not None and not logs.done():
+                logs.cancel()
+        return stream.completion(served)
 
-    def _served(self, request_id: str) -> dict[str, Any]:
-        """Tokens the connector injected for this request and the record of what its method
-        built, from the worker's logs (written before the forward that produced the first
-        token, so complete here)."""
-        stats = self.stats()
-        if stats is None or "injections" not in stats:
-            return {"claimed_tokens": None}
-        claimed = sum(e["length"] for e in stats["injections"] if request_id in e["request_id"])
-        builds = [b for b in stats.get("builds", []) if request_id in b["request_id"]]
-        return {"claimed_tokens": claimed, "build": builds[-1] if builds else None}
+    async def close(self) -> None:
+        await self.openai.close()
