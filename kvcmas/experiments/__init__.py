@@ -21,6 +21,7 @@ EXPERIMENT_MODULES: dict[str, str] = {
     "accuracy": "kvcmas.experiments.accuracy",
     "pareto": "kvcmas.experiments.pareto",
     "engine": "kvcmas.experiments.engine_bench",
+    "serve": "kvcmas.experiments.serve_bench",
     "report": "kvcmas.experiments.report",
     "smoke": "kvcmas.experiments.smoke",
 }

@@ -1,0 +1,189 @@
+"""The serving benchmark's markdown table and plots (from results.json alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvcmas.experiments.cells import fmt
+from kvcmas.experiments.plots import line_panels
+from kvcmas.experiments.serve_bench.plan import BASELINE
+
+MIB = 1 << 20
+CHAINED = ("kvcmas", "kvcmas-nochain")
+
+
+def _dist(d: dict[str, Any], p99: bool = False) -> str:
+    cells = [fmt(d["p50"], ".3f"), fmt(d["p95"], ".3f")]
+    if p99 and d.get("p99") is not None:
+        cells.append(fmt(d["p99"], ".3f"))
+    return " / ".join(cells)
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _cell(results: dict[str, Any], method: str, size: int, load: float) -> dict | None:
+    return next((c for c in results["cells"] if (c["method"], c["size"], c["load"])
+                 == (method, size, load)), None)  # fmt: skip
+
+
+def _ratio(results: dict[str, Any], c: dict[str, Any]) -> str:
+    base = _cell(results, BASELINE, c["size"], c["load"])
+    mine = c["ttft_later_s"]["p50"]
+    theirs = base["ttft_later_s"]["p50"] if base else None
+    return "-" if mine is None or not theirs else f"{mine / theirs:.2f}"
+
+
+def capacity_lines(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Plain vLLM's capacity", "",
+        "The highest session arrival rate at which plain vLLM's p50 TTFT (all hops) stays within "
+        "2x its idle TTFT (sequential sessions); probes: rate in sessions/s, p50 TTFT, pass (+) "
+        "or fail (x).", "",
+        "| S | idle TTFT p50 (s) | limit (s) | capacity (sessions/s) | probes |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for size, c in sorted(results["capacity"].items(), key=lambda kv: int(kv[0])):
+        if c["given"]:
+            lines.append(f"| {size} | - | - | {c['capacity_per_s']:.4f} (given) | - |")
+            continue
+        probes = ", ".join(
+            f"{p['rate_per_s']:.3f}: {fmt(p['p50_ttft_s'], '.3f')} {'+' if p['passed'] else 'x'}"
+            for p in c["probes"]
+        )
+        note = "" if c["found"] else " (none passed: lowest probed)"
+        if c["found"] and c["failed_at_per_s"] is None:
+            note = " (every probe passed: at least)"
+        lines.append(f"| {size} | {c['idle_ttft_s']:.3f} | {c['threshold_s']:.3f} | "
+                     f"{c['capacity_per_s']:.4f}{note} | {probes} |")  # fmt: skip
+    return lines + [""]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["setup"]
+    p99 = any(c["ttft_later_s"]["p99"] is not None for c in results["cells"])
+    later = "p50 / p95 / p99" if p99 else "p50 / p95"
+    lines = [
+        "# Serving under load (kvcmas bench serve)", "",
+        f"Model {s['model']} ({s['dtype']}), {s['engine']}, KV cache "
+        f"{s['kv_cache_bytes'] / MIB:.0f} MiB; machine {s['machine']}.", "",
+        f"Trace {s['workflow']}: a chain of {s['agents']} agents, each reading a document of S "
+        f"tokens ({s['source']}) and every earlier output, {s['output_tokens']} output tokens "
+        f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {s['sessions']} "
+        f"sessions per cell arrive by a Poisson process (seed {s['seed']}) at load x plain "
+        f"vLLM's capacity (rates below); a cell stops sending after {s['cell_time_s']:g} s. "
+        f"One server per method, {s['warmup']} warm-up sessions per S. TTFT is the client's "
+        "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
+        "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+; "
+        "memory is the peak during the cell (MiB).", "",
+    ]  # fmt: skip
+    lines += capacity_lines(results)
+    lines += [
+        "## Cells", "",
+        f"| method | S | load | rate/s | sessions done/sent | TTFT hop 1 p50 / p95 | TTFT hops 2+ "
+        f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | rho | recompute "
+        "| KV peak | store | pools |",
+        "|" + "---|" * 16,
+    ]  # fmt: skip
+    for c in results["cells"]:
+        m = c["memory"]
+        lines.append(
+            f"| {c['method']} | {c['size']} | {c['load']:g} | {c['rate_per_s']:.3f} | "
+            f"{c['sessions_completed']}/{c['sessions_launched']} | {_dist(c['ttft_first_s'])} | "
+            f"{_dist(c['ttft_later_s'], p99)} | {_ratio(results, c)} | "
+            f"{_dist(c['session_latency_s'])} | {fmt(c['sessions_per_s'], '.3f')} | "
+            f"{fmt(c['output_tokens_per_s'], '.1f')} | {fmt(c['rho_later'], '.2f')} | "
+            f"{fmt(c['recompute_later'], '.2f')} | {_mib(m.get('kv_cache_peak_bytes'))} | "
+            f"{_mib(m.get('store_bytes'))} | {_mib(m.get('method_state_bytes'))} |"
+        )
+    unlogged = sum(c["unlogged_hops"] for c in results["cells"])
+    failed = sum(c["sessions_failed"] for c in results["cells"])
+    lines += [
+        "",
+        f"Hops whose connector record the client did not find: {unlogged}; failed sessions: "
+        f"{failed}. Server counters at the end: {results['server']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_load(results: dict[str, Any]) -> float:
+    """The load the per-size plots use: 1.0 if run, else the highest."""
+    loads = results["setup"]["loads"]
+    return 1.0 if 1.0 in loads else max(loads)
+
+
+def _series(results, methods, xs_of, y_of, fixed) -> dict:
+    out = {}
+    for m in methods:
+        xs, ys = [], []
+        for x in xs_of:
+            c = _cell(results, m, *fixed(x))
+            xs.append(x)
+            ys.append(None if c is None else y_of(c))
+        out[m] = (xs, ys)
+    return out
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    """TTFT p50 (hops 2+) against load per S; TTFT and session latency against S at one load;
+    chained against non-chained KVCMAS; memory against S."""
+    s = results["setup"]
+    methods = list(dict.fromkeys(c["method"] for c in results["cells"]))
+    if not methods:
+        return
+    sizes, loads = s["sizes"], s["loads"]
+    title = f"{s['model']} ({s['dtype']}) on vLLM, {s['workflow']}, {s['output_tokens']} tokens"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def later(c):
+        return c["ttft_later_s"]["p50"]
+
+    def per_size(names):
+        return [
+            (f"S={size}: TTFT p50, hops 2+ (s)",
+             _series(results, names, loads, later, lambda x, size=size: (size, x)))
+            for size in sizes
+        ]  # fmt: skip
+
+    line_panels(out / "ttft_vs_load.png", per_size(methods), "load (x plain vLLM's capacity)",
+                title)  # fmt: skip
+    load = plot_load(results)
+
+    def at(x):
+        return (x, load)
+
+    line_panels(
+        out / "ttft_vs_size.png",
+        [("TTFT p50, hops 2+ (s)", _series(results, methods, sizes, later, at)),
+         ("TTFT p50, hop 1 (s)",
+          _series(results, methods, sizes, lambda c: c["ttft_first_s"]["p50"], at)),
+         ("session latency p50 (s)",
+          _series(results, methods, sizes, lambda c: c["session_latency_s"]["p50"], at))],
+        "S (document tokens)", f"{title}; load {load:g}", logx=True,
+    )  # fmt: skip
+    chained = [m for m in (BASELINE, *CHAINED) if m in methods]
+    if any(m in methods for m in CHAINED):
+        line_panels(
+            out / "chained_vs_nonchained.png",
+            per_size(chained),
+            "load (x plain vLLM's capacity)",
+            f"{title}: KVCMAS chained vs not",
+        )
+
+    def mib(key):
+        def value(c):
+            v = c["memory"].get(key)
+            return None if v is None else v / MIB
+
+        return value
+
+    line_panels(
+        out / "memory_vs_size.png",
+        [(f"{label} peak (MiB)", _series(results, methods, sizes, mib(key), at))
+         for key, label in (("kv_cache_peak_bytes", "vLLM KV cache"),
+                            ("store_bytes", "span store"), ("method_state_bytes", "anchor pools"))],
+        "S (document tokens)", f"{title}; load {load:g}", logx=True,
+    )  # fmt: skip

