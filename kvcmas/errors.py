@@ -27,6 +27,10 @@ class ModelLoadError(KvcmasError, RuntimeError):
     """The model could not be found or read."""
 
 
+class DeviceError(KvcmasError, RuntimeError):
+    """The requested device is unknown, or this torch build or machine cannot run on it."""
+
+
 class UnsupportedModelError(KvcmasError, ValueError):
     """The model's architecture or RoPE variant is one this runtime does not handle exactly."""
 

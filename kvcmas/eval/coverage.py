@@ -82,11 +82,12 @@ def last_token_attention(
     """Attention ``rows`` receive from the prompt's last ``last`` tokens, in ``cache``'s
     context, averaged over layers and heads (the last tokens are re-run on a copy)."""
     n = len(tokens)
-    pos = torch.arange(max(0, n - last), n)
+    pos = torch.arange(max(0, n - last), n, device=cache.device)
     work = cache.clone()
     layers = tuple(range(model.config.n_layers))
-    out = model.forward(torch.tensor(tokens)[pos], pos, work, logits_rows=None, capture=layers)
-    total = torch.zeros(n)
+    ids = torch.tensor(tokens, device=cache.device)[pos]
+    out = model.forward(ids, pos, work, logits_rows=None, capture=layers)
+    total = torch.zeros(n, device=cache.device)
     with torch.inference_mode():
         for layer in layers:
             q, _, _ = model.project_kv(layer, out.captured[layer], pos)

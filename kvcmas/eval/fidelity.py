@@ -61,8 +61,8 @@ def teacher_forced_logits(
     cache.truncate(prompt_len)
     rows = [first_logits[None]]
     if len(tokens) > 1:
-        ids = torch.tensor(tokens[:-1])
-        pos = torch.arange(prompt_len, prompt_len + len(ids))
+        ids = torch.tensor(tokens[:-1], device=cache.device)
+        pos = torch.arange(prompt_len, prompt_len + len(ids), device=cache.device)
         rows.append(model.forward(ids, pos, cache, logits_rows=slice(None)).logits)
     cache.truncate(prompt_len)
     return torch.cat(rows)

@@ -110,8 +110,8 @@ def layer_deviation(hops: list[RecordedHop], model) -> dict[str, list[float]]:
     """Per-layer relative error of reused (FullShared) K and V against the dense hop cache,
     over every shared token that had a source."""
     n_layers = model.config.n_layers
-    diff = {"k": torch.zeros(n_layers), "v": torch.zeros(n_layers)}
-    norm = {"k": torch.zeros(n_layers), "v": torch.zeros(n_layers)}
+    diff = {name: torch.zeros(n_layers, device=model.device) for name in ("k", "v")}
+    norm = {name: torch.zeros(n_layers, device=model.device) for name in ("k", "v")}
     for rh in hops:
         out = rh.replay(FullShared(), model)
         for rec in out.records:

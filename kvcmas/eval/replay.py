@@ -81,8 +81,8 @@ class Recorder(Method):
             return reuse_shared(seg, shared, shared.latest, model, cache)
         start, n = cache.length, len(seg)
         out = model.forward(
-            torch.tensor(seg.tokens),
-            segment_rows(start, n),
+            torch.tensor(seg.tokens, device=cache.device),
+            segment_rows(start, n, cache.device),
             cache,
             logits_rows=None,
             capture=self.capture,

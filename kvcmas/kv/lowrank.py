@@ -72,8 +72,9 @@ def factorize(
     if k + oversample >= min(n, d):
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
     else:
+        # Drawn on the CPU and moved: the same seed gives the same sketch on every device.
         gen = torch.Generator().manual_seed(seed)
-        omega = torch.randn(n_layers, d, k + oversample, generator=gen)
+        omega = torch.randn(n_layers, d, k + oversample, generator=gen).to(m.device)
         q, _ = torch.linalg.qr(torch.bmm(m, omega))
         mt = m.transpose(1, 2)
         for _ in range(power_iters):  # sharpen the spectrum, re-orthonormalizing each pass

@@ -25,7 +25,7 @@ def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
     """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens."""
     if x.shape[0] * m * x.shape[2] <= _BATCH_FLOATS:
         return (x[:, :m] - base.rows(m)).abs().mean(dim=(0, 2))
-    total = torch.zeros(m)
+    total = x.new_zeros(m)
     for layer in range(x.shape[0]):
         total += (x[layer, :m] - base.layer_rows(layer, m)).abs().mean(dim=1)
     return total / x.shape[0]
@@ -125,8 +125,8 @@ class AnchorPool:
         # Per-token |X| averaged over layers and channels: the distances' scale.
         scale_k = x_k.abs().mean(dim=(0, 2)).clamp_min(1e-12)
         scale_v = x_v.abs().mean(dim=(0, 2)).clamp_min(1e-12)
-        dist = torch.full((len(idx), n), float("inf"))
-        span = torch.empty(len(idx))
+        dist = x_k.new_full((len(idx), n), float("inf"))
+        span = x_k.new_empty(len(idx))
         for j, i in enumerate(idx):
             a = self.anchors[i]
             m = min(n, a.length)
@@ -158,7 +158,7 @@ class AnchorPool:
             m = min(n, f.length)
             w = match.token_weights[j, :m][None, :, None]
             if f.b is None:
-                contrib = torch.zeros(f.a.shape[0], n, f.a.shape[2])
+                contrib = f.a.new_zeros(f.a.shape[0], n, f.a.shape[2])
                 contrib[:, :m] = w * f.a[:, :m]
                 full = contrib if full is None else full + contrib
                 continue

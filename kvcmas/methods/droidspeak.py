@@ -128,8 +128,8 @@ class DroidSpeak(Method):
         hidden = self.hidden_store.get(hop.session, seg.tokens, s) if s > 0 else None
         first = s if hidden is not None else 0
         model.forward(
-            torch.tensor(seg.tokens) if hidden is None else None,
-            segment_rows(start, n),
+            torch.tensor(seg.tokens, device=cache.device) if hidden is None else None,
+            segment_rows(start, n, cache.device),
             cache,
             layers=range(first, e),
             hidden=hidden,

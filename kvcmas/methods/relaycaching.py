@@ -89,7 +89,7 @@ def received_attention(
     groups = q.shape[0] // keys.shape[0]
     k = keys.float().repeat_interleave(groups, dim=0)
     scores = q.float() @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
-    mask = torch.arange(keys.shape[1])[None, :] <= q_positions[:, None]
+    mask = torch.arange(keys.shape[1], device=keys.device)[None, :] <= q_positions[:, None]
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return probs.mean((0, 1))[start:]
 
@@ -164,7 +164,7 @@ class RelayCaching(Method):
             return dense_saving_hidden(hop, seg, shared, model, cache, self.hidden_store, layers)
         start = place_source(seg, shared, model, cache)
         n = len(seg)
-        rows = segment_rows(start, n)
+        rows = segment_rows(start, n, cache.device)
         hidden, first = self._band(hop, seg, model, cache, rows)
         chosen = self._select(model, cache, hidden, rows, start)
         if len(chosen):
@@ -196,11 +196,12 @@ class RelayCaching(Method):
         saved = self.hidden_store.get(hop.session, seg.tokens, a) if a > 0 else None
         if saved is not None and a == d:
             return saved, a
+        ids = torch.tensor(seg.tokens, device=cache.device)
         if saved is None and d == 0:
-            return model.embed_tokens(torch.tensor(seg.tokens)), 0
+            return model.embed_tokens(ids), 0
         first = a if saved is not None else 0
         out = model.forward(
-            torch.tensor(seg.tokens) if saved is None else None,
+            ids if saved is None else None,
             rows,
             cache,
             layers=range(first, d),

