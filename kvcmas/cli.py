@@ -9,17 +9,15 @@ import time
 
 from kvcmas.errors import KvcmasError, UsageError
 from kvcmas.experiments.args import add_method_args, add_model_args, method_options
-from kvcmas.model.loader import DEFAULT_MODEL, DTYPES
+from kvcmas.model.loader import DEFAULT_MODEL, DTYPES, parse_device
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from kvcmas.chat import chat_segments
     from kvcmas.model.generate import greedy_decode, stop_ids
     from kvcmas.model.loader import load_model
 
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     tokens = [
         t for s in chat_segments(loaded.tokenizer, args.system, args.prompt) for t in s.tokens
     ]
@@ -30,7 +28,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = loaded.model
     start = time.perf_counter()
     cache = model.new_cache(capacity=len(tokens) + budget)
-    logits = model.prefill(torch.tensor(tokens), cache)
+    logits = model.prefill(tokens, cache)
     int(logits.argmax())
     ttft = time.perf_counter() - start
     out = greedy_decode(model, cache, logits, budget, stop_ids(loaded), feed_last=False)
@@ -84,11 +82,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for i, r in enumerate(requests, 1):
         workflow.check_request(r, where=f"request {i}")
     method = make_method(args.method, method_options(args))
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     observer = reference_runner = None
     if args.compare:
         same = args.reference_dtype == args.dtype
-        reference = loaded if same else load_model(args.model, args.reference_dtype)
+        reference = loaded if same else load_model(args.model, args.reference_dtype, args.device)
         observer = FidelityObserver(reference)
         reference_runner = Runner(reference, workflow, make_method("nonshared"))
     runner = Runner(loaded, workflow, method, observer=observer)
@@ -190,6 +188,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         noise_floor=not args.no_noise_floor,
         fidelity=not args.no_fidelity,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        device=args.device,
     )
     write_report(report, Path(args.out))
     print((Path(args.out) / "table.md").read_text())
@@ -216,7 +215,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcmas.experiments.demo import run_demo
 
-    return run_demo(args.model, args.dtype)
+    return run_demo(args.model, args.dtype, args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
-    add_model_args(s)
+    add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
     s.add_argument("--method", required=True, help="how the connector builds shared spans: "
                    "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute")
     s.add_argument("--host", default="127.0.0.1")
@@ -325,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"kvcmas: error: unknown {name} {value!r} (choose {', '.join(DTYPES)})",
                 file=sys.stderr,
             )
+            return 2
+    if getattr(args, "device", None) is not None:
+        try:
+            parse_device(args.device)  # before any model loads: a clear line, not a traceback
+        except KvcmasError as e:
+            print(f"kvcmas: error: --device: {e}", file=sys.stderr)
             return 2
     if getattr(args, "max_new_tokens", 1) < 1:
         print("kvcmas: error: --max-new-tokens must be at least 1", file=sys.stderr)

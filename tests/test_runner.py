@@ -444,8 +444,8 @@ def cli_model(real_model, monkeypatch):
     """The CLI loads the session's model instead of a second copy (same spec and dtype)."""
     from kvcmas.model import loader
 
-    def load(spec, dtype="fp32"):
-        assert (spec, dtype) == (loader.DEFAULT_MODEL, "fp32")
+    def load(spec, dtype="fp32", device="cpu"):
+        assert (spec, dtype, device) == (loader.DEFAULT_MODEL, "fp32", "cpu")
         return real_model
 
     monkeypatch.setattr(loader, "load_model", load)

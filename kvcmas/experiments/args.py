@@ -13,16 +13,22 @@ import typing
 from pathlib import Path
 
 from kvcmas.methods import METHODS
-from kvcmas.model.loader import DEFAULT_MODEL, DTYPES
+from kvcmas.model.loader import DEFAULT_MODEL, DEVICES, DTYPES
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, device: bool = True) -> None:
+    """``--model`` and ``--dtype``, and ``--device`` for commands that run kvcmas's runtime
+    (``device=False`` where another engine places the model)."""
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help="'smollm2-135m' (embedded default), 'qwen2.5-coder-0.5b', a HF folder or a .gguf",
     )
     p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(DTYPES)}")
+    if device:
+        p.add_argument(
+            "--device", default="cpu", help=f"where the runtime runs: {', '.join(DEVICES)}[:N]"
+        )
 
 
 class _MethodOption(argparse.Action):

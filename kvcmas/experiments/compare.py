@@ -105,21 +105,22 @@ def compare(
     noise_floor: bool = True,
     log=print,
     fidelity: bool = True,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every method (NonShared first: the reference answers) and summarize side by side."""
     names = ["nonshared"] + [m for m in methods if m != "nonshared"]
     check_options_used(names, method_options)
     built = [(name, make_method(name, method_options, strict=False)) for name in names]
-    loaded = load_model(model_spec, dtype)
+    loaded = load_model(model_spec, dtype, device)
     reference = None
     if fidelity:
-        reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
+        reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32", device)
     results: dict[str, list[RequestResult]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     cfg = loaded.config
     runs: list[tuple[str, LoadedModel, Method]] = [(n, loaded, m) for n, m in built]
     if noise_floor and fidelity and dtype == "fp32":
-        runs.append((NOISE_FLOOR, load_model(model_spec, "bf16"), make_method("nonshared")))
+        runs.append((NOISE_FLOOR, load_model(model_spec, "bf16", device), make_method("nonshared")))
     for label, model, method in runs:
         start = time.perf_counter()
 

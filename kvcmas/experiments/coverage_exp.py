@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     requests = load_requests(args.requests, args.limit, split=args.split)
     for r in requests:
         workflow.check_request(r)
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     log(f"FullShared through {workflow.name} on {len(requests)} requests ...")
     result = run_coverage(
         loaded,

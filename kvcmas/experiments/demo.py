@@ -101,15 +101,15 @@ def _print_summary(results: dict[str, list[RequestResult]], pool_report: dict) -
     )
 
 
-def run_demo(model_spec: str, dtype: str) -> int:
+def run_demo(model_spec: str, dtype: str, device: str = "cpu") -> int:
     print(
         f"kvcmas demo: model {model_spec} (KVCMAS in {dtype}; reference NonShared fp32), "
         "workflow 'roster' (3 task agents + a decider reading all three)",
         flush=True,
     )
-    loaded = load_model(model_spec, dtype)
-    reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32")
-    bf16 = load_model(model_spec, "bf16")
+    loaded = load_model(model_spec, dtype, device)
+    reference = loaded if dtype == "fp32" else load_model(model_spec, "fp32", device)
+    bf16 = load_model(model_spec, "bf16", device)
     workflow = roster()
     method = make_method("kvcmas")
     observer = FidelityObserver(reference)

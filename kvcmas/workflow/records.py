@@ -86,4 +86,7 @@ class RequestResult:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: host memory only. On ``--device cuda`` weights,
+    caches and pools live in GPU memory, which this does not see (``kv_bytes``,
+    ``source_bytes`` and ``method_state_bytes`` count tensor bytes on any device)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -103,11 +103,11 @@ def ablate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, An
     from kvcmas.model.loader import load_model
 
     parts = set(args.parts)
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     workflow = capped(load_workflow(args.workflow), args.agent_tokens or None)
     results: dict[str, Any] = {"parts": args.parts}
     if parts & {"a", "b", "c"}:
-        reference = loaded if args.dtype == "fp32" else load_model(args.model, "fp32")
+        reference = loaded if args.dtype == "fp32" else load_model(args.model, "fp32", args.device)
         stream = load_requests(args.requests, args.limit, split=args.split)
         runs = OnlineRuns(loaded, reference, workflow, stream, log)
         base = {"temperature": args.temperature}

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
             plan,
             log=lambda m: print(m, file=sys.stderr, flush=True),
             on_update=lambda r: (out / "results.json").write_text(json.dumps(r, indent=1)),
+            device=args.device,
         )
     write_outputs(report, out)
     print(markdown_table(report))

@@ -152,7 +152,10 @@ def run_one(
 
 
 def accuracy_experiment(
-    plan: Plan, log: Log = print, on_update: Callable[[dict[str, Any]], Any] | None = None
+    plan: Plan,
+    log: Log = print,
+    on_update: Callable[[dict[str, Any]], Any] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every planned method on every benchmark; return the results dict.
 
@@ -160,16 +163,16 @@ def accuracy_experiment(
     runs' peak RSS does not include it. ``on_update`` gets the partial results after every
     (method, benchmark) run.
     """
-    models = {plan.dtype: load_model(plan.model, plan.dtype)}
+    models = {plan.dtype: load_model(plan.model, plan.dtype, device)}
     if plan.fidelity and "fp32" not in models:
-        models["fp32"] = load_model(plan.model, "fp32")
+        models["fp32"] = load_model(plan.model, "fp32", device)
     reference = models["fp32"] if plan.fidelity else None
     tasks = {t: load_requests(t, plan.limits[t]) for t in plan.benchmarks}
     workflows = {t: task_spec(t).workflow(*plan.budgets) for t in plan.benchmarks}
     report = new_report(plan, models[plan.dtype].name, tasks, workflows)
     for run in plan.runs:
         if run.dtype not in models:
-            models[run.dtype] = load_model(plan.model, run.dtype)
+            models[run.dtype] = load_model(plan.model, run.dtype, device)
         for task, requests in tasks.items():
             log(f"{run.label} on {task}: {len(requests)} items, workflow {workflows[task].name}")
             baseline = report["items"].get("nonshared", {}).get(task)

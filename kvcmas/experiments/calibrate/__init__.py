@@ -52,7 +52,9 @@ def smoke_args(out_dir: str | Path) -> list[str]:
     return ["--quick", "--out", str(out_dir)]
 
 
-def calibrate(plan: Plan, model: str, dtype: str, log: common.Progress) -> dict[str, Any]:
+def calibrate(
+    plan: Plan, model: str, dtype: str, log: common.Progress, device: str = "cpu"
+) -> dict[str, Any]:
     """Load the model and stream, run NonShared, FullShared and every grid point."""
     from kvcmas.eval.requests import load_requests
     from kvcmas.eval.tasks import load_workflow
@@ -60,8 +62,8 @@ def calibrate(plan: Plan, model: str, dtype: str, log: common.Progress) -> dict[
 
     workflow = capped(load_workflow(plan.workflow), plan.agent_tokens)
     requests = load_requests(plan.requests, plan.limit, split=plan.split)
-    loaded = load_model(model, dtype)
-    reference = loaded if dtype == "fp32" else load_model(model, "fp32")
+    loaded = load_model(model, dtype, device)
+    reference = loaded if dtype == "fp32" else load_model(model, "fp32", device)
     runs = OnlineRuns(loaded, reference, workflow, requests, log)
     grid = run_grid(runs, plan)
     return {
@@ -84,5 +86,5 @@ def calibrate(plan: Plan, model: str, dtype: str, log: common.Progress) -> dict[
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)  # bad input fails here, before any model loads
     log = common.Progress("calibrate")
-    results = calibrate(plan, args.model, args.dtype, log)
+    results = calibrate(plan, args.model, args.dtype, log, args.device)
     return common.finish(args.out, results, log, markdown, plot)

@@ -58,9 +58,9 @@ def run_one(
     }
 
 
-def run_one_loading(model_spec: str, dtype: str, *call: Any) -> dict[str, Any]:
+def run_one_loading(model_spec: str, dtype: str, device: str, *call: Any) -> dict[str, Any]:
     """``run_one`` in a child process, which loads the model from the local cache first."""
-    return run_one(load_model(model_spec, dtype), *call)
+    return run_one(load_model(model_spec, dtype, device), *call)
 
 
 def add_size_ratios(runs: list[dict[str, Any]]) -> None:
@@ -70,7 +70,7 @@ def add_size_ratios(runs: list[dict[str, Any]]) -> None:
 
 
 def sweep(args: argparse.Namespace, log: Log) -> dict[str, Any]:
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     workflow = trace_workflow(args.agents, args.output_tokens)
     overhead = overhead_tokens(loaded.tokenizer, workflow)
     sizes, capped = cap_sizes(args.sizes, loaded.config.max_position - overhead)
@@ -87,7 +87,7 @@ def sweep(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             call = (workflow, name, options, docs, args.warmup, log)
             try:
                 if args.isolate:  # the child loads the model itself (a second or so)
-                    run = in_child(run_one_loading, args.model, args.dtype, *call)
+                    run = in_child(run_one_loading, args.model, args.dtype, args.device, *call)
                 else:
                     run = run_one(loaded, *call)
             except RuntimeError as e:  # e.g. a full-dimensional pool out of memory

@@ -103,7 +103,7 @@ def analyse(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     from kvcmas.model.loader import load_model
     from kvcmas.workflow.builtin import roster
 
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.device)
     workflow = load_workflow(args.workflow)
     requests = load_requests(args.requests, args.limit, split=args.split)
     log(f"collecting (source, dense) pairs on {len(requests)} requests ...")

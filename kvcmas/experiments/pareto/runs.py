@@ -99,7 +99,7 @@ def speedup(summary: dict[str, Any] | None, ratio: str) -> float | None:
 
 
 def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
-    reference = load_model(args.model, "fp32")
+    reference = load_model(args.model, "fp32", args.device)
     n_layers = reference.config.n_layers
     points = plan_points(args.methods, n_layers, args.max_points, args.points)
     workflow = trace_workflow(args.agents, args.output_tokens)
@@ -108,10 +108,11 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     texts = source_texts(args.source)
     count = args.warmup + args.measure
     all_docs = {s: documents(reference.tokenizer, texts, s, count) for s in sizes}
-    bf16 = None if args.no_noise_floor else load_model(args.model, "bf16")
+    bf16 = None if args.no_noise_floor else load_model(args.model, "bf16", args.device)
     timed = None
     if not args.no_timing:
-        timed = bf16 if args.dtype == "bf16" and bf16 else load_model(args.model, args.dtype)
+        same = args.dtype == "bf16" and bf16
+        timed = bf16 if same else load_model(args.model, args.dtype, args.device)
     by_size = []
     for size, docs in all_docs.items():
         log(f"size {size}: fidelity pass (fp32), {len(points)} points")
