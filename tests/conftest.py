@@ -1,6 +1,12 @@
-"""Shared fixtures: tiny random-weight Llama / Qwen2 models and the real default model."""
+"""Shared fixtures: tiny random-weight Llama / Qwen2 models and the real default model.
+
+Tests marked ``device`` run their models on ``KVCMAS_TEST_DEVICE`` (``cpu`` unless set;
+``KVCMAS_TEST_DEVICE=cuda pytest -m device`` checks the runtime on a GPU, scripts/gpu_check.sh).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -35,15 +41,27 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     return hf.float()
 
 
-def ours_from_hf(hf, dtype=torch.float32) -> Transformer:
+TEST_DEVICE = os.environ.get("KVCMAS_TEST_DEVICE", "cpu")
+
+
+def device_for(request) -> torch.device:
+    """``KVCMAS_TEST_DEVICE`` for a test marked ``device``, else the CPU."""
+    from kvcmas.model.loader import parse_device
+
+    return parse_device(TEST_DEVICE if request.node.get_closest_marker("device") else "cpu")
+
+
+def ours_from_hf(hf, dtype=torch.float32, device="cpu") -> Transformer:
     config = ModelConfig.from_hf(hf.config.to_dict())
-    return Transformer.from_state_dict(config, hf.state_dict(), dtype)
+    return Transformer.from_state_dict(config, hf.state_dict(), dtype, device)
 
 
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_pair(request):
-    hf = tiny_hf_model(request.param)
-    return hf, ours_from_hf(hf)
+    """(transformers model, ours) with the same random weights, both on the test's device."""
+    device = device_for(request)
+    hf = tiny_hf_model(request.param).to(device)
+    return hf, ours_from_hf(hf, device=device)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +70,14 @@ def real_model():
     from kvcmas.model.loader import load_model
 
     return load_model("default", "fp32")
+
+
+@pytest.fixture(scope="session")
+def real_model_on_test_device(request):
+    """The default model on ``KVCMAS_TEST_DEVICE`` (the CPU one when that is cpu)."""
+    from kvcmas.model.loader import load_model, parse_device
+
+    device = parse_device(TEST_DEVICE)
+    if device.type == "cpu":
+        return request.getfixturevalue("real_model")
+    return load_model("default", "fp32", device)

@@ -112,6 +112,7 @@ def zero_recompute_methods():
 # --- the ends of every knob ----------------------------------------------------------------
 
 
+@pytest.mark.device
 def test_full_recompute_reproduces_nonshared(model, dense_and_full):
     hop, dense, _ = dense_and_full
     for method in full_recompute_methods(model.config.n_layers):
@@ -121,6 +122,7 @@ def test_full_recompute_reproduces_nonshared(model, dense_and_full):
         assert shared_record(out[2]).decision == "dense"
 
 
+@pytest.mark.device
 def test_zero_recompute_reproduces_fullshared(model, dense_and_full):
     hop, _, full = dense_and_full
     for method in zero_recompute_methods():
@@ -130,6 +132,7 @@ def test_zero_recompute_reproduces_fullshared(model, dense_and_full):
         assert shared_record(out[2]).decision == "reuse"
 
 
+@pytest.mark.device
 def test_first_consumer_prefills_densely(model):
     hop = make_hop(model, None)
     dense = build(NonShared(), model, hop)
@@ -145,6 +148,7 @@ def test_first_consumer_prefills_densely(model):
         assert shared_record(out[2]).decision == "dense"
 
 
+@pytest.mark.device
 def test_exact_source_makes_any_selection_exact(model):
     """With a source computed after the same prefix, reused rows are dense rows: whatever the
     methods select, the hop equals NonShared's."""

@@ -29,6 +29,7 @@ def record(build, slot="query"):
     return next(r for r in build.records if r.slot == slot)
 
 
+@pytest.mark.device
 def test_tau_zero_is_exactly_nonshared(tiny_pair):
     _, model = tiny_pair
     kv = make_method("kvcmas", tau=0.0, min_anchors=1)
@@ -41,6 +42,7 @@ def test_tau_zero_is_exactly_nonshared(tiny_pair):
         assert record(x).decision == "dense"
 
 
+@pytest.mark.device
 def test_first_agent_is_always_exact(tiny_pair):
     _, model = tiny_pair
     kv = make_method("kvcmas", tau=2.0, min_anchors=1)
@@ -53,6 +55,7 @@ def test_first_agent_is_always_exact(tiny_pair):
         assert torch.equal(a.cache.k[:, :, : a.cache.length], ref.cache.k[:, :, : ref.cache.length])
 
 
+@pytest.mark.device
 def test_anchor_from_the_same_content_reproduces_the_dense_cache(tiny_pair):
     _, model = tiny_pair
     q = torch.randint(30, 128, (14,)).tolist()
@@ -97,6 +100,7 @@ def test_pools_never_exceed_pool_size(tiny_pair):
     assert [len(p.anchors) for p in kv.pools.values()] == [2]
 
 
+@pytest.mark.device
 def test_two_identical_runs_give_identical_caches(tiny_pair):
     _, model = tiny_pair
     queries = [torch.randint(30, 128, (9 + i,)).tolist() for i in range(5)]

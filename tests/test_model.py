@@ -7,7 +7,7 @@ import torch
 
 from kvcmas.model.config import ModelConfig, UnsupportedModelError
 from kvcmas.model.generate import greedy_decode
-from tests.conftest import ours_from_hf, tiny_hf_model
+from tests.conftest import device_for, ours_from_hf, tiny_hf_model
 
 
 def full_logits(model, ids):
@@ -16,16 +16,18 @@ def full_logits(model, ids):
     return out.logits, cache
 
 
+@pytest.mark.device
 def test_logits_equal_transformers_on_tiny_configs(tiny_pair):
     hf, ours = tiny_pair
-    ids = torch.randint(0, 128, (37,))
+    ids = torch.randint(0, 128, (37,)).to(ours.device)
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0]
     logits, _ = full_logits(ours, ids)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_llama3_rope_scaling_matches_transformers():
+@pytest.mark.device
+def test_llama3_rope_scaling_matches_transformers(request):
     scaling = dict(
         rope_type="llama3",
         factor=8.0,
@@ -34,31 +36,36 @@ def test_llama3_rope_scaling_matches_transformers():
         original_max_position_embeddings=64,
         rope_theta=500000.0,
     )
-    hf = tiny_hf_model("llama", rope_parameters=scaling)
-    ours = ours_from_hf(hf)
+    device = device_for(request)
+    hf = tiny_hf_model("llama", rope_parameters=scaling).to(device)
+    ours = ours_from_hf(hf, device=device)
     assert ours.config.rope_scaling is not None
-    ids = torch.randint(0, 128, (200,))
+    ids = torch.randint(0, 128, (200,)).to(device)
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(full_logits(ours, ids)[0], ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.real_model
-def test_logits_equal_transformers_on_default_model(real_model):
+@pytest.mark.device
+def test_logits_equal_transformers_on_default_model(real_model_on_test_device):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(real_model.folder, dtype=torch.float32)
+    real_model = real_model_on_test_device
+    device = real_model.model.device
+    hf = AutoModelForCausalLM.from_pretrained(real_model.folder, dtype=torch.float32).to(device)
     text = "Multi-agent systems share context between agents. " * 8
-    ids = torch.tensor(real_model.tokenizer(text)["input_ids"])
+    ids = torch.tensor(real_model.tokenizer(text)["input_ids"], device=device)
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0]
     logits, _ = full_logits(real_model.model, ids)
     assert (logits - ref).abs().max().item() < 1e-3  # logits span about +-30
 
 
+@pytest.mark.device
 def test_incremental_prefill_equals_one_shot(tiny_pair):
     _, ours = tiny_pair
-    ids = torch.randint(0, 128, (40,))
+    ids = torch.randint(0, 128, (40,)).to(ours.device)
     ref, ref_cache = full_logits(ours, ids)
     cache = ours.new_cache(capacity=4)  # forces growth
     for a, b in [(0, 13), (13, 14), (14, 40)]:
@@ -67,14 +74,15 @@ def test_incremental_prefill_equals_one_shot(tiny_pair):
     torch.testing.assert_close(cache.k[:, :, :40], ref_cache.k[:, :, :40], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.device
 def test_row_subset_over_layer_range_equals_rows_of_full_forward(tiny_pair):
     """Recompute layers [1, L) for scattered rows on top of the exact cache: same rows."""
     _, ours = tiny_pair
-    ids = torch.randint(0, 128, (30,))
+    ids = torch.randint(0, 128, (30,)).to(ours.device)
     n_layers = ours.config.n_layers
     cache = ours.new_cache()
     full = ours.forward(ids, torch.arange(30), cache, logits_rows=slice(None), capture=(1,))
-    rows = torch.tensor([2, 7, 8, 19, 29])
+    rows = torch.tensor([2, 7, 8, 19, 29], device=ours.device)
     work = cache.clone()
     work.k[1:, :, rows] = 0  # forget those rows above layer 0: they must be rebuilt exactly
     work.v[1:, :, rows] = 0
@@ -99,9 +107,10 @@ def test_bf16_forward_runs_close_to_fp32(tiny_pair):
     assert b.dtype == torch.float32 and (a - b).abs().max() < 0.1
 
 
+@pytest.mark.device
 def test_greedy_decode_matches_transformers_generate(tiny_pair):
     hf, ours = tiny_pair
-    ids = torch.randint(2, 128, (10,))
+    ids = torch.randint(2, 128, (10,)).to(ours.device)
     with torch.inference_mode():
         ref = hf.generate(ids[None], max_new_tokens=8, do_sample=False, eos_token_id=None)
     cache = ours.new_cache()

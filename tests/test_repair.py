@@ -129,6 +129,7 @@ def test_head_only_repair_gives_dense_head_rows_without_a_check_pass(model):
         assert torch.equal(got, want)
 
 
+@pytest.mark.device
 def test_repairing_every_token_is_dense(model):
     dense = dense_cache(model, PREFIX + SHARED)
     for kw in ({"extra": len(SHARED)}, {"head": 4, "extra": 100}, {"head": 100}):
@@ -151,6 +152,7 @@ def test_repair_refuses_bad_arguments(model):
 # --- head recompute ------------------------------------------------------------------------
 
 
+@pytest.mark.device
 def test_head_recompute_ends_are_nonshared_and_fullshared(model):
     hop = make_hop(model, source_kv(model))
     dense = build(NonShared(), model, hop)
@@ -191,6 +193,7 @@ def query_record(build_):
     return next(r for r in build_.records if r.slot == "query")
 
 
+@pytest.mark.device
 def test_budget_zero_is_kvcmas_without_repair(model):
     """repair_from above any entropy: the budget is 0 everywhere, so the hops are bitwise
     today's KVCMAS, reuses included."""
@@ -205,6 +208,7 @@ def test_budget_zero_is_kvcmas_without_repair(model):
         assert torch.equal(x.last_logits, y.last_logits)
 
 
+@pytest.mark.device
 def test_repairing_the_whole_span_is_nonshared(model):
     qs = queries(4)
     graded = make_method("kvcmas", tau=2.0, min_anchors=2, repair_max=0.1, repair_head=100)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcmas.kv.segment import SegmentKV, place_segment
@@ -30,12 +31,13 @@ def prefill(model, ids):
     return cache, logits
 
 
+@pytest.mark.device
 def test_canonical_round_trip_reproduces_dense_cache_and_logits(tiny_pair):
     _, ours = tiny_pair
     p, s, tail = (
-        torch.randint(0, 128, (9,)),
-        torch.randint(0, 128, (14,)),
-        torch.randint(0, 128, (5,)),
+        torch.randint(0, 128, (9,)).to(ours.device),
+        torch.randint(0, 128, (14,)).to(ours.device),
+        torch.randint(0, 128, (5,)).to(ours.device),
     )
     dense, _ = prefill(ours, torch.cat([p, s]))
     seg = SegmentKV.from_cache(dense, 9, 23, ours.inv_freq)
