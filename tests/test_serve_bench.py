@@ -307,8 +307,8 @@ def fake_results() -> dict:
             "ttft_later_s": d, "session_latency_s": {"n": 4, "p50": 9.0, "p95": 11.0, "p99": None},
             "sessions_per_s": 0.1, "output_tokens_per_s": 40.0, "rho_later": rho,
             "recompute_later": 0.1, "unlogged_hops": 0,
-            "memory": {"kv_cache_peak_bytes": 3 << 20, "store_bytes": size << 10,
-                       "method_state_bytes": 1 << 20},
+            "memory": {"kv_cache_peak_bytes": 3 << 20, "store_bytes_this_size": size << 10,
+                       "method_state_bytes_this_size": 1 << 20},
         }  # fmt: skip
 
     cells = [cell(m, s, x, later, rho)
@@ -385,7 +385,8 @@ def test_bench_serve_end_to_end_on_two_servers(tmp_path):
         assert c["unlogged_hops"] == 0
     assert cells["fullshared"]["rho_later"] > 0 and cells["fullshared"]["served_tokens_later"] > 0
     assert cells["nonshared"]["rho_later"] == 0 and cells["nonshared"]["served_tokens_later"] == 0
-    assert cells["fullshared"]["memory"]["store_bytes"] > 0
+    assert cells["fullshared"]["memory"]["store_bytes_this_size"] > 0
+    assert cells["nonshared"]["memory"]["store_bytes_this_size"] == 0  # no kvcmas requests
     assert results["capacity"]["64"]["given"]
     table = (out / "table.md").read_text()
     assert "smollm2-135m (fp32)" in table and "| fullshared | 64 | 1 | 0.500 | 3/3 |" in table

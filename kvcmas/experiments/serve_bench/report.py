@@ -74,10 +74,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {s['sessions']} "
         f"sessions per cell arrive by a Poisson process (seed {s['seed']}) at load x plain "
         f"vLLM's capacity (rates below); a cell stops sending after {s['cell_time_s']:g} s. "
-        f"One server per method, {s['warmup']} warm-up sessions per S. TTFT is the client's "
+        f"One server per method; warm-up sessions per S: {s['warmup']}. TTFT is the client's "
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
-        "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+; "
-        "memory is the peak during the cell (MiB).", "",
+        "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
+        "Memory (MiB): vLLM's KV blocks in use at the cell's peak; the connector's span store "
+        "and anchor pools at the cell's peak less what they held before this S began (each S "
+        "has its own namespace; the store is an LRU bounded by the server's --store-bytes, so "
+        "past its bound it evicts earlier sessions instead of growing).", "",
     ]  # fmt: skip
     lines += capacity_lines(results)
     lines += [
@@ -96,7 +99,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_dist(c['session_latency_s'])} | {fmt(c['sessions_per_s'], '.3f')} | "
             f"{fmt(c['output_tokens_per_s'], '.1f')} | {fmt(c['rho_later'], '.2f')} | "
             f"{fmt(c['recompute_later'], '.2f')} | {_mib(m.get('kv_cache_peak_bytes'))} | "
-            f"{_mib(m.get('store_bytes'))} | {_mib(m.get('method_state_bytes'))} |"
+            f"{_mib(m.get('store_bytes_this_size'))} | "
+            f"{_mib(m.get('method_state_bytes_this_size'))} |"
         )
     unlogged = sum(c["unlogged_hops"] for c in results["cells"])
     failed = sum(c["sessions_failed"] for c in results["cells"])
@@ -182,8 +186,9 @@ def plot(results: dict[str, Any], out: Path) -> None:
 
     line_panels(
         out / "memory_vs_size.png",
-        [(f"{label} peak (MiB)", _series(results, methods, sizes, mib(key), at))
-         for key, label in (("kv_cache_peak_bytes", "vLLM KV cache"),
-                            ("store_bytes", "span store"), ("method_state_bytes", "anchor pools"))],
+        [(f"{label} (MiB)", _series(results, methods, sizes, mib(key), at))
+         for key, label in (("kv_cache_peak_bytes", "vLLM KV cache in use, peak"),
+                            ("store_bytes_this_size", "span store, peak added at S"),
+                            ("method_state_bytes_this_size", "anchor pools, peak added at S"))],
         "S (document tokens)", f"{title}; load {load:g}", logx=True,
     )  # fmt: skip

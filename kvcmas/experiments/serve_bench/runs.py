@@ -33,7 +33,7 @@ from kvcmas.experiments.serve_bench.workload import (
     session_requests,
     size_documents,
 )
-from kvcmas.serve.client import AsyncEngineClient, ModelSide
+from kvcmas.serve.client import AsyncEngineClient, EngineClient, ModelSide
 from kvcmas.workflow.spec import Workflow
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -153,9 +153,12 @@ class Bench:
 
     def run_method(self, method: ServedMethod, base_url: str, measure: bool) -> list[dict]:
         """Warm-up, (plain vLLM) capacity searches, and the cells of every size and load."""
-        namespace = f"serve-{method.name}-{uuid.uuid4().hex[:8]}"
         cells = []
         for size in self.args.sizes:
+            # A namespace per size: its anchor pools start empty, so what they hold at S is
+            # S's alone; the connector's memory before it is subtracted from the cells' peaks.
+            namespace = f"serve-{method.name}-{size}-{uuid.uuid4().hex[:8]}"
+            before = EngineClient(base_url).stats() or {}
             docs = self.docs[size]
             if docs.warmup:
                 self.sequential(base_url, method, namespace,
@@ -179,6 +182,9 @@ class Bench:
                 memory["kv_cache_peak_bytes"] = (
                     None if usage is None else round(usage * self.args.kv_cache_bytes)
                 )
+                for key in ("store_bytes", "method_state_bytes"):
+                    peak, base = memory.get(key), before.get(key)
+                    memory[f"{key}_this_size"] = None if peak is None else peak - (base or 0)
                 cells.append({
                     "method": method.name, "size": size, "load": load, "rate_per_s": rate,
                     **summary, "memory": memory, "sessions": [session_json(r) for r in records],
@@ -229,7 +235,7 @@ def method_server(
 
 def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     from kvcmas.model.loader import resolve
-    from kvcmas.serve.client import EngineClient, load_model_side
+    from kvcmas.serve.client import load_model_side
     from kvcmas.serve.launch import check_vllm_installed
 
     check_vllm_installed()
