@@ -431,7 +431,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         for name, cache in self.kv_caches.items():
             kv = saved[name][:, :, plan.start : plan.end]
             if noise_std:
-                noise = torch.randn(kv.shape, generator=generator) * noise_std
+                noise = torch.randn(kv.shape, generator=generator).to(kv.device) * noise_std
                 kv = (kv.float() + noise).to(kv.dtype)
             write_span(cache, plan.block_ids, plan.start, kv[0], kv[1])
 
@@ -451,7 +451,9 @@ class KvcmasConnector(KVConnectorBase_V1):
             from kvcmas.model.loader import load_model
 
             config = self._vllm_config.model_config
-            self._loaded = load_model(str(config.model), config.dtype)
+            # On the device of vLLM's KV caches: the range is built next to the blocks it fills.
+            device = next(iter(self.kv_caches.values())).device
+            self._loaded = load_model(str(config.model), config.dtype, device=str(device))
             logger.info("KvcmasConnector: kvcmas runtime loaded %s in %s for %s",
                         config.model, config.dtype, self.method)
         return self._loaded.model

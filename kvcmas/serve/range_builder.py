@@ -129,7 +129,7 @@ def read_context(layers: Sequence[torch.Tensor], block_ids, end: int, dtype) -> 
     """vLLM's KV of positions [0, end) as a kvcmas cache (room left for the range)."""
     first = layers[0]
     heads, head_dim = first.shape[1], first.shape[3] // 2
-    cache = KVCache(len(layers), heads, head_dim, dtype, capacity=end)
+    cache = KVCache(len(layers), heads, head_dim, dtype, capacity=end, device=first.device)
     if end:
         spans = [read_span(layer, block_ids, 0, end) for layer in layers]
         cache.append(torch.stack([k for k, _ in spans]).to(dtype),
