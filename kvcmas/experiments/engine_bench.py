@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=8, help="measured requests")
     p.add_argument("--base-url", default=None, help="a running `kvcmas serve` (default: start)")
     p.add_argument("--out", required=True)
-    add_model_args(p)
+    add_model_args(p, device=False)  # the server runs the model; kvcmas serve picks its device
     p.set_defaults(dtype="fp32")
 
 
