@@ -105,6 +105,7 @@ class Server:
     client: object
     model: str
     tokenizer: object
+    dump_dir: Path  # where the worker writes the KV of requests sent with test_dump
 
 
 def _free_port() -> int:
@@ -137,6 +138,7 @@ def server(tmp_path_factory):
         os.environ,
         KVCMAS_STATS_FILE=str(tmp / "stats.json"),
         KVCMAS_TEST_HOOKS="1",
+        KVCMAS_DUMP_DIR=str(tmp / "dumps"),
         VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus),
         VLLM_CPU_NUM_OF_RESERVED_CPU=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     )
@@ -161,6 +163,7 @@ def server(tmp_path_factory):
         "--middleware", "kvcmas.serve.http.KvcmasMiddleware",
     ]
     log_file = tmp / "server.log"
+    (tmp / "dumps").mkdir()
     with open(log_file, "w") as log:
         # Own process group: teardown stops the API server, engine core and worker together.
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -174,7 +177,7 @@ def server(tmp_path_factory):
             time.sleep(1)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         yield Server(url, tmp / "stats.json", log_file, client, client.models.list().data[0].id,
-                     AutoTokenizer.from_pretrained(folder))
+                     AutoTokenizer.from_pretrained(folder), tmp / "dumps")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -393,15 +396,20 @@ def build_of(server: Server, answer_ids: str) -> dict:
     return builds[0]
 
 
-def complete_as(server, ids, session, agent, method, namespace=None, max_tokens=8):
-    """Like complete(), with a request id the test knows (to find the worker's build)."""
+def complete_as(server, ids, session, agent, method, namespace=None, max_tokens=8,
+                dump=False):
+    """Like complete(), with a request id the test knows (to find the worker's build);
+    ``dump`` has the worker write the request's saved KV to the server's dump folder."""
     rid = f"t-{uuid.uuid4().hex[:12]}"
     params = {"session": session, "agent": agent, "method": method}
     if namespace:
         params["namespace"] = namespace
+    if dump:
+        params["test_dump"] = True
     r = server.client.completions.create(
         model=server.model, prompt=[ids], max_tokens=max_tokens, temperature=0, logprobs=1,
-        extra_body={"return_token_ids": True, "kv_transfer_params": {"kvcmas": params}},
+        extra_body={"return_token_ids": True, "kv_transfer_params": {"kvcmas": params},
+                    "ignore_eos": dump},  # a dumped stream is a controlled trace
         extra_headers={"X-Request-Id": rid},
     )
     choice = r.choices[0]
@@ -580,3 +588,140 @@ def test_the_salt_separates_sessions_and_tenants_and_keeps_a_client_salt_inside(
     assert len(salts) == 5
     # A client salt cannot make one session's salt equal another's.
     assert session_cache_salt(None, "a", "b") != session_cache_salt(None, "a\", \"b", None)
+
+
+# --------------------------------------------- equivalence with `kvcmas run`, hop by hop
+
+
+def equivalence_workflow(output_tokens: int):
+    """Two agents read a document, a judge reads it and both replies. Every piece of template next
+    to a slot starts or ends with a token naming the reader, so the spans the connector finds
+    by token matching are exactly the slots `kvcmas run` segments by (asserted below)."""
+    from kvcmas.workflow.spec import AgentSpec, Workflow
+
+    agents = (
+        AgentSpec("reader", "You are the reader.",
+                  "Document for the reader{doc}Reader, which rivers flow into lake 3?",
+                  output_tokens),
+        AgentSpec("critic", "You are the critic.",
+                  "Document for the critic{doc}Critic, which lake receives river 5?",
+                  output_tokens),
+        AgentSpec("judge", "You are the judge.",
+                  "Document for the judge{doc}Judge reads the reader for judge{reader}"
+                  "Judge reads the critic for judge{critic}Judge, give the final answer.",
+                  output_tokens),
+    )  # fmt: skip
+    return Workflow(name="equivalence", agents=agents, final="judge")
+
+
+@dataclass
+class ServedHop:
+    rid: str
+    prompt: list[int]
+    answer: Answer
+    reply: tuple[int, ...]  # what later agents read
+
+
+def served_stream(server, workflow, docs, method, namespace, max_tokens):
+    """Each document is a session through the workflow on the server, prompts sent as token
+    ids. A reply read by later agents drops its last token: vLLM never computes the KV of
+    the last sampled token (EOS or the budget's last), so only the rest is a source."""
+    from kvcmas.chat import render_segments, tokenize
+
+    sessions = []
+    for i, doc in enumerate(docs):
+        slots = {"doc": tokenize(server.tokenizer, doc.strip())}
+        hops = []
+        for name in workflow.order:
+            agent = workflow.agent(name)
+            segments = render_segments(server.tokenizer, agent.system, agent.prompt, slots)
+            prompt = [t for s in segments for t in s.tokens]
+            rid, answer = complete_as(server, prompt, f"S-eq-{namespace}-{i}", name, method,
+                                      namespace=namespace, max_tokens=max_tokens, dump=True)
+            reply = tuple(answer.token_ids[:-1])
+            slots[name] = reply
+            hops.append(ServedHop(rid, prompt, answer, reply))
+        sessions.append(hops)
+    return sessions
+
+
+def local_stream(workflow, method, docs, sessions):
+    """`kvcmas run`'s Runner on the same documents, replies replayed (teacher-forced) from
+    the server's; returns per session and hop the prompt's KV [layers, 2, heads, n, D] and
+    the method's records."""
+    import torch
+
+    from kvcmas.model.loader import DEFAULT_MODEL, load_model
+    from kvcmas.workflow.runner import Runner
+
+    kept = []
+
+    def keep(view):
+        n = len(view.hop.tokens)
+        cache = view.build.cache
+        kept.append(torch.stack((cache.k[:, :, :n], cache.v[:, :, :n]), 1).clone())
+        return {}
+
+    runner = Runner(load_model(DEFAULT_MODEL, "fp32"), workflow, method, observer=keep)
+    out = []
+    for doc, hops in zip(docs, sessions, strict=True):
+        forced = {name: list(h.reply) for name, h in zip(workflow.order, hops, strict=True)}
+        result = runner.run({"doc": doc}, forced_outputs=forced)
+        out.append([(kv, h.segments) for kv, h in zip(kept, result.hops, strict=True)])
+        kept.clear()
+    return out
+
+
+def dumped_kv(server, rid: str):
+    import torch
+
+    [path] = server.dump_dir.glob(f"*{rid}*.pt")
+    return torch.load(path)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("method", ["fullshared", "kvcmas"])
+def test_connector_kv_equals_kvcmas_run_hop_by_hop(server, method):
+    """After a warmed stream (pools populated, reuse asserted), the KV the connector left in
+    vLLM's blocks for every hop (read back through the layout module when the request is
+    saved) equals the KV `kvcmas run` builds for that hop with the same method object kind,
+    the same token ids and the same replies, to fp32 rounding; the spans it found by token
+    matching are `kvcmas run`'s slots, with the same decisions."""
+    from kvcmas.methods import make_method
+
+    output_tokens = 40
+    workflow = equivalence_workflow(output_tokens)
+    docs = [" ".join(f"{topic} fact {i}: river {i} flows into lake {i * 7 % 13}." for i in range(8))
+            for topic in ("Kappa", "Lambda", "Mu", "Rho")]
+    namespace = f"eq-{method}-{uuid.uuid4().hex[:6]}"
+    sessions = served_stream(server, workflow, docs, method, namespace, output_tokens)
+    for hops in sessions:
+        replies = [hop.reply for hop in hops[:-1]]
+        # Premises: every reply read later is a span, and the two differ (token matching
+        # cannot tell equal replies apart; `kvcmas run` reads them by slot).
+        assert all(len(r) >= 32 for r in replies), "a reply shorter than min_span: lengthen it"
+        assert len(set(replies)) == len(replies), "an agent repeated another's reply"
+    wait_for_saves(server, sessions[-1][-1].answer.kvcmas["saved_requests_total"])
+    # The server's "kvcmas" is configured with tau 1 (see the fixture): the same here.
+    local = local_stream(workflow, make_method(method, {"tau": 1.0} if method == "kvcmas"
+                                               else {}), docs, sessions)
+    worst, reused = 0.0, 0
+    for hops, local_hops in zip(sessions, local, strict=True):
+        for hop, (local_kv, records) in zip(hops, local_hops, strict=True):
+            served = dumped_kv(server, hop.rid)[:, :, :, : len(hop.prompt)]
+            assert served.shape == local_kv.shape
+            builds = [b for b in stats(server)["builds"] if hop.rid in b["request_id"]]
+            spans = builds[0]["spans"] if builds else []
+            shared = [r for r in records if r.get("slot") is not None]
+            if builds:  # every slot with a source is a span, built alike
+                assert [(s["start"], s["length"], s["decision"]) for s in spans] == [
+                    (r["start"], r["length"], r["decision"]) for r in shared]
+            else:  # the session's first hop: the document has no source yet
+                assert all(r["decision"] == "dense" for r in shared)
+            reused += sum(s["served_tokens"] for s in spans)
+            err = float((served - local_kv).abs().max() / local_kv.abs().max())
+            worst = max(worst, err)
+    print(f"{method}: worst relative KV difference over {sum(map(len, sessions))} hops: "
+          f"{worst:.2e}; tokens served from sources: {reused}")
+    assert reused > 0
+    assert worst < 1e-4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ def greedy_decode(
     stop: set[int],
     feed_last: bool = True,
     capture: tuple[int, ...] = (),
+    forced: Sequence[int] | None = None,
 ) -> Decoded:
     """Decode greedily from ``logits`` (the prompt's last-token logits), appending to ``cache``.
 
@@ -47,18 +49,21 @@ def greedy_decode(
     ends generation, so the cache then holds K/V for every output token: an agent output's
     cache in its producer is complete and exact (METHOD.md section 2, rule 4). ``capture``
     names layers whose hidden input is kept for every fed token (``Decoded.captured``).
+    ``forced`` replays an output produced elsewhere (a serving engine's): its tokens are fed
+    instead of the argmax, and generation ends after them as at the budget.
     """
     first = logits
     tokens: list[int] = []
     kept: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture}
     hit_stop = False
-    for step in range(max_new_tokens):
-        nxt = int(torch.argmax(logits))
-        if nxt in stop:
+    budget = max_new_tokens if forced is None else len(forced)
+    for step in range(budget):
+        nxt = int(torch.argmax(logits)) if forced is None else int(forced[step])
+        if forced is None and nxt in stop:
             hit_stop = True
             break
         tokens.append(nxt)
-        if step == max_new_tokens - 1 and not feed_last:
+        if step == budget - 1 and not feed_last:
             break
         if not capture:
             logits = model.prefill([nxt], cache)

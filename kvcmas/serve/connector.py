@@ -38,6 +38,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,7 @@ from kvcmas.serve.layout_check import check_layout_against_vllm
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.params import (
     CONNECTOR_METHODS,
+    DUMP_DIR_ENV,
     KvcmasParams,
     KvcmasParamsError,
     method_for,
@@ -89,6 +91,7 @@ class SaveOrder:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    dump: bool = False  # test hook: also write the saved KV to $KVCMAS_DUMP_DIR
 
 
 @dataclass
@@ -325,7 +328,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         if not admitted:
             return 0  # larger than the whole store
         self._pending.saves.append(
-            SaveOrder(request.request_id, request.request_id, list(block_ids), num_tokens))
+            SaveOrder(request.request_id, request.request_id, list(block_ids), num_tokens,
+                      params.test_dump))
         self._saves_ordered += 1
         return num_tokens
 
@@ -381,6 +385,9 @@ class KvcmasConnector(KVConnectorBase_V1):
             k, v = read_span(cache, order.block_ids, 0, order.num_tokens)
             layers[name] = torch.stack((k, v))
         self.store.put(order.key, layers)
+        if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
+            kv = torch.stack([layers[name] for name in self._layers])
+            torch.save(kv, Path(os.environ[DUMP_DIR_ENV]) / f"{order.request_id}.pt")
         self._finished_saving.add(order.request_id)
         self._stats["saved_requests"] += 1
         self._stats["saved_tokens"] += order.num_tokens

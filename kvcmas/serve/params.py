@@ -16,6 +16,9 @@ from kvcmas.errors import KvcmasError
 
 # Test-only knobs are refused unless the server was started with this variable set to 1.
 TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
+# Where the worker writes the saved KV of requests sent with the ``test_dump`` hook.
+DUMP_DIR_ENV = "KVCMAS_DUMP_DIR"
+_TEST_FIELDS = ("test_noise_std", "test_dump")
 
 # Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
 # re-injects only the KV vLLM computed for an identical earlier prefix of the session; the
@@ -45,6 +48,7 @@ class KvcmasParams:
     namespace: str | None = None  # tenant: anchor pools are per namespace, never shared
     method: str | None = None  # overrides the server's method for this request (its defaults)
     test_noise_std: float = 0.0  # test hook: noise added to injected KV, proving it is read
+    test_dump: bool = False  # test hook: the worker writes the saved KV to $KVCMAS_DUMP_DIR
 
 
 _FIELDS = {"session": str, "agent": str, "namespace": str, "method": str}
@@ -70,7 +74,7 @@ def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
         raise KvcmasParamsError(
             f"kv_transfer_params.kvcmas must be an object, got {type(raw).__name__}"
         )
-    allowed = set(_FIELDS) | ({"test_noise_std"} if test_hooks_enabled() else set())
+    allowed = set(_FIELDS) | (set(_TEST_FIELDS) if test_hooks_enabled() else set())
     for key in raw:
         if key not in allowed:
             raise KvcmasParamsError(
@@ -104,4 +108,11 @@ def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
                 f"kv_transfer_params.kvcmas.test_noise_std must be a number >= 0, got {noise!r}"
             )
         values["test_noise_std"] = float(noise)
+    if "test_dump" in raw:
+        if not isinstance(raw["test_dump"], bool):
+            raise KvcmasParamsError(
+                f"kv_transfer_params.kvcmas.test_dump must be true or false, "
+                f"got {raw['test_dump']!r}"
+            )
+        values["test_dump"] = raw["test_dump"]
     return KvcmasParams(**values)

@@ -135,14 +135,20 @@ class Runner:
             shared[slot] = SharedSegment(slot, self.workflow.slot_kind(slot), tokens)
         return shared
 
-    def run(self, request: dict) -> RequestResult:
-        """Run one request through every agent; then finish the method's deferred work."""
+    def run(self, request: dict, forced_outputs: dict[str, list[int]] | None = None
+            ) -> RequestResult:
+        """Run one request through every agent; then finish the method's deferred work.
+
+        ``forced_outputs`` (agent -> token ids) replays replies produced elsewhere (a serving
+        engine's) instead of decoding them, so both build every later hop from the same tokens.
+        """
         session = str(request.get("session") or uuid.uuid4().hex)
         cpu0, start = time.process_time(), time.perf_counter()
         shared = self._request_inputs(request)
         hops = []
         for step, name in enumerate(self.workflow.order):
-            hops.append(self._run_hop(self.workflow.agent(name), shared, session, step))
+            forced = (forced_outputs or {}).get(name)
+            hops.append(self._run_hop(self.workflow.agent(name), shared, session, step, forced))
         # The observer (fidelity measurement) is not the request's work: off the clock.
         observed_s = sum(h.fidelity["observer_s"] for h in hops if h.fidelity)
         latency = time.perf_counter() - start - observed_s
@@ -168,7 +174,8 @@ class Runner:
                 progress(i, result)
             yield result
 
-    def _run_hop(self, agent, shared: dict[str, SharedSegment], session: str, step: int):
+    def _run_hop(self, agent, shared: dict[str, SharedSegment], session: str, step: int,
+                 forced: list[int] | None = None):
         model = self.loaded.model
         segments = self._segments(agent, {k: v.tokens for k, v in shared.items()})
         hop = Hop(agent.name, session, step, segments, shared)
@@ -190,7 +197,8 @@ class Runner:
 
         capture = self.method.decode_capture_layers()
         out = greedy_decode(
-            model, cache, build.last_logits, agent.max_new_tokens, self.stop, capture=capture
+            model, cache, build.last_logits, agent.max_new_tokens, self.stop, capture=capture,
+            forced=forced,
         )
         if capture:
             self.method.after_decode(hop, tuple(out.tokens), out.captured)
