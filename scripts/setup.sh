@@ -25,3 +25,5 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
   pip install -e ".[vllm]"
   pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null
 fi
+# The router of `kvcmas serve --instances N` (a machine set up before it was a dependency).
+[ -x .venv/bin/vllm-router ] || pip install vllm-router==0.1.17
