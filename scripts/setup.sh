@@ -27,3 +27,5 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
 fi
 # The router of `kvcmas serve --instances N` (a machine set up before it was a dependency).
 [ -x .venv/bin/vllm-router ] || pip install vllm-router==0.1.17
+# The example client (examples/langgraph_roster.py, LangGraph + langchain-openai) and its test.
+.venv/bin/python -c "import langgraph, langchain_openai" 2>/dev/null || pip install -e ".[examples]"

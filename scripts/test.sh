@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check kvcmas tests
+.venv/bin/ruff check kvcmas tests examples
 .venv/bin/python -m pytest -q "$@"
