@@ -542,6 +542,57 @@ def test_eight_concurrent_sessions_keep_to_their_own_spans(server):
 
 
 @pytest.mark.vllm
+def test_concurrent_sessions_of_two_namespaces_keep_their_pools_apart_and_bounded(server):
+    """8 KVCMAS sessions at once, 4 per namespace, all on one document: each namespace's
+    pools hold exactly the anchors its own dense spans added (a shared pool would hold both
+    namespaces'), no pool exceeds V, and every span comes from its own session."""
+    import asyncio
+
+    import openai
+
+    doc = prompt_ids(server, "Omega", facts=8)
+    namespaces = (f"C1-{uuid.uuid4().hex[:6]}", f"C2-{uuid.uuid4().hex[:6]}")
+
+    async def ask(aclient, ids, session, agent, namespace):
+        rid = f"p-{uuid.uuid4().hex[:12]}"
+        params = {"session": session, "agent": agent, "method": "kvcmas", "namespace": namespace}
+        r = await aclient.completions.create(
+            model=server.model, prompt=[ids], max_tokens=4, temperature=0,
+            extra_body={"kv_transfer_params": {"kvcmas": params}},
+            extra_headers={"X-Request-Id": rid},
+        )
+        return rid, r.model_extra.get("kv_transfer_params") or {}
+
+    async def session(aclient, i):
+        namespace = namespaces[i % 2]
+        first, _ = await ask(aclient, agent_prompt(server, "analyst", doc, "Summarize."),
+                             f"S-ns-{i}", "analyst", namespace)
+        second, info = await ask(aclient, agent_prompt(server, "critic", doc, "Any error?"),
+                                 f"S-ns-{i}", "critic", namespace)
+        return namespace, first, second, info
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+                                      max_retries=0) as aclient:
+            return await asyncio.gather(*(session(aclient, i) for i in range(8)))
+
+    done = asyncio.run(run())
+    wait_for_saves(server, max(d[3]["kvcmas"]["saved_requests_total"] for d in done))
+    s = stats(server)
+    dense = dict.fromkeys(namespaces, 0)
+    for namespace, first, second, _ in done:
+        [span] = build_of(server, second)["spans"]
+        assert first in span["origin"]  # its own session's analyst
+        dense[namespace] += span["decision"] == "dense"
+    for namespace in namespaces:
+        report = s["pools"][json.dumps([namespace, "kvcmas"])]
+        print(f"namespace {namespace}: {report['anchors']} anchors from {dense[namespace]} "
+              f"dense spans, largest pool {report['largest_pool']} of V={report['pool_size']}")
+        assert report["anchors"] == min(dense[namespace], report["pool_size"]) > 0
+        assert report["largest_pool"] <= report["pool_size"]
+
+
+@pytest.mark.vllm
 def test_a_client_that_disconnects_leaves_the_store_consistent(server):
     """An aborted request is never saved (its last step may be unwritten); the next request
     of the session claims nothing from it, and the counters stay consistent."""

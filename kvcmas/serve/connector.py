@@ -495,10 +495,17 @@ class KvcmasConnector(KVConnectorBase_V1):
         if not path:
             return
         pools = sum(m.memory_bytes() for m in self._methods.values())
+        reports = {}  # per namespace and method: anchors, largest pool against V, bytes
+        for (namespace, name), m in self._methods.items():  # methods exist once _loaded does
+            config = self._loaded.config
+            report = m.pool_report(config.n_layers, config.kv_width)
+            if report is not None:
+                reports[json.dumps([namespace, name])] = report
         stats = dict(self._stats, method=self.method, method_config=self.method_options,
                      store_bytes=self.store.num_bytes, store_requests=len(self.store),
                      method_state_bytes=pools,
-                     namespaces=len({namespace for namespace, _ in self._methods}))
+                     namespaces=len({namespace for namespace, _ in self._methods}),
+                     pools=reports)
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)
