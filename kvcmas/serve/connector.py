@@ -27,9 +27,11 @@ Flow:
 Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_METHODS``;
 default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
 ``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``store_bytes`` (bound of
-the span store, default 512 MiB). Env ``KVCMAS_STATS_FILE``: where the worker writes its
-counters as JSON (from startup on, with the method, so a client can check what it serves).
-Anchor pools learn per namespace (tenant): one method object per namespace, sharing nothing.
+the span store, default 512 MiB), ``max_namespaces`` (method objects kept, one per namespace
+and method, least recently used dropped; default 64). Env ``KVCMAS_STATS_FILE``: where the
+worker writes its counters as JSON (from startup on, with the method, so a client can check
+what it serves). Anchor pools learn per namespace (tenant): one method object per namespace,
+sharing nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from kvcmas.methods.base import ReuseCounts
 from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
+from kvcmas.serve.method_states import DEFAULT_CAPACITY as DEFAULT_NAMESPACES
+from kvcmas.serve.method_states import MethodStates
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.params import (
     CONNECTOR_METHODS,
@@ -178,8 +182,11 @@ class KvcmasConnector(KVConnectorBase_V1):
             self.kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[str] = []
             self._loaded = None  # kvcmas's runtime on the same weights, loaded on first use
-            # Per (namespace, method): anchor pools never cross tenants.
-            self._methods: dict[tuple[str | None, str], Method] = {}
+            # Per (namespace, method): anchor pools never cross tenants; the least recently
+            # used tenant's are dropped beyond max_namespaces objects.
+            self._methods = MethodStates(
+                self._make_method, int(extra("max_namespaces", DEFAULT_NAMESPACES))
+            )
             self._load_errors: set[int] = set()
             self._finished_saving: set[str] = set()
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
@@ -442,16 +449,13 @@ class KvcmasConnector(KVConnectorBase_V1):
                 kv = (kv.float() + noise).to(kv.dtype)
             write_span(cache, plan.block_ids, plan.start, kv[0], kv[1])
 
-    def _method(self, namespace: str | None, name: str) -> Method:
-        """The method object of a namespace (its pools learn across that tenant's sessions);
-        the server's method takes its configured options, a per-request one its defaults."""
+    def _make_method(self, name: str) -> Method:
+        """A new method object: the server's method takes its configured options, a
+        per-request one its defaults."""
         from kvcmas.methods import make_method
 
-        key = (namespace, name)
-        if key not in self._methods:
-            options = self.method_options if name == self.method else {}
-            self._methods[key] = make_method(method_for(name), options)
-        return self._methods[key]
+        options = self.method_options if name == self.method else {}
+        return make_method(method_for(name), options)
 
     def _model(self):
         if self._loaded is None:
@@ -468,8 +472,8 @@ class KvcmasConnector(KVConnectorBase_V1):
     def _build(self, plan: RangePlan) -> None:
         model = self._model()
         layers = [self.kv_caches[name] for name in self._layers]
-        records = build_range(plan, self._method(plan.namespace, plan.method), model, layers,
-                              self._read_source)
+        method = self._methods.get(plan.namespace, plan.method)
+        records = build_range(plan, method, model, layers, self._read_source)
         shared = [r for r in records if r.slot is not None]
         counts = ReuseCounts.of(records, model.config.n_layers)  # the one definition of reuse
         s = self._stats
@@ -504,7 +508,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         stats = dict(self._stats, method=self.method, method_config=self.method_options,
                      store_bytes=self.store.num_bytes, store_requests=len(self.store),
                      method_state_bytes=pools,
-                     namespaces=len({namespace for namespace, _ in self._methods}),
+                     namespaces=len({namespace for (namespace, _), _ in self._methods.items()}),
+                     method_states_dropped=self._methods.dropped,
                      pools=reports)
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
