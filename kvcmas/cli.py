@@ -151,12 +151,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.min_span is not None and args.min_span < GRAM:
         raise UsageError(f"--min-span must be at least {GRAM} (the span index's token window)")
+    if args.instances != 1:
+        from kvcmas.serve.cluster import instance_cores, router_binary
+
+        instance_cores(args.instances)
+        router_binary()
     port = check_port(args.port, args.host)
     name, folder = resolve(args.model)
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
         args.store_bytes, args.max_model_len, options, args.min_span,
     )
+    if args.instances != 1:
+        from kvcmas.serve.cluster import serve_cluster
+
+        return serve_cluster(cfg, args.instances)
     return serve(cfg)
 
 
@@ -262,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", required=True, help="how the connector builds shared spans: "
                    "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument("--port", type=int, default=8000,
+                   help="0 picks a free port (with --instances: the router's)")
+    s.add_argument("--instances", type=int, default=1,
+                   help="N vLLM instances (cores split between them) behind vllm-router, "
+                        "which keeps each session on one instance (X-Session-ID)")
     s.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
                    help="size of vLLM's paged KV cache")
     s.add_argument("--store-bytes", type=int, default=DEFAULT_STORE_BYTES,

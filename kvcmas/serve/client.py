@@ -12,6 +12,12 @@ Which prompt tokens the server did not compute comes from two places: the stream
 and the connector's logs in ``GET /kvcmas/stats`` (the claim alone, and per shared span what
 the method did with it), found by the ``X-Request-Id`` the client sets, which vLLM keeps inside
 its internal request id. A streamed response carries no ``kv_transfer_params``, hence the logs.
+
+Every kvcmas request names its session in a header (``X-Session-ID``, which vllm-router's
+``consistent_hash`` policy reads, and ``X-Kvcmas-Session`` for other proxies), so a router in
+front of several instances keeps a session on the instance holding its spans. There the
+connector's logs are per instance: ``stats_roots`` names every instance, and their logs are
+read together (request ids are unique).
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ from typing import Any
 from kvcmas.errors import KvcmasError
 from kvcmas.model import loader
 from kvcmas.model.config import ModelConfig
+
+SESSION_HEADERS = ("X-Session-ID", "X-Kvcmas-Session")  # value: "namespace/session"
+
+
+def session_key(kvcmas: dict[str, str]) -> str:
+    """The routing key of a request's session: sessions of one namespace stay together."""
+    return f"{kvcmas.get('namespace') or ''}/{kvcmas['session']}"
 
 
 class EngineError(KvcmasError, RuntimeError):
@@ -116,14 +129,16 @@ class _Stream:
         """The keyword arguments of ``completions.create`` (sync and async alike)."""
         extra: dict[str, Any] = {"return_token_ids": True,
                                  "stop_token_ids": sorted(self.stop_ids)}
+        headers = {"X-Request-Id": self.request_id}
         if ignore_eos:
             extra["ignore_eos"] = True
         if kvcmas is not None:
             extra["kv_transfer_params"] = {"kvcmas": kvcmas}
+            headers.update(dict.fromkeys(SESSION_HEADERS, session_key(kvcmas)))
         return dict(
             model=model, prompt=[self.prompt_ids], max_tokens=max_tokens, temperature=0.0,
             stream=True, stream_options={"include_usage": True}, extra_body=extra,
-            extra_headers={"X-Request-Id": self.request_id},
+            extra_headers=headers,
         )
 
     def add(self, chunk: Any) -> bool:
@@ -157,30 +172,58 @@ class _Stream:
         )
 
 
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several instances' stats as one: counters summed, logs concatenated."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            old = out.get(key)
+            if isinstance(value, list):
+                out[key] = [*(old or []), *value]
+            elif isinstance(value, int | float) and isinstance(old, int | float):
+                out[key] = old + value
+            elif key not in out:
+                out[key] = value
+    return out
+
+
+def read_stats(root: str) -> dict[str, Any] | None:
+    """One server's ``/kvcmas/stats``, or None where it has none."""
+    try:
+        with urllib.request.urlopen(f"{root}/kvcmas/stats", timeout=10) as r:
+            return json.load(r)
+    except (OSError, ValueError):  # HTTPError and URLError are OSErrors
+        return None  # plain vLLM (404), no stats file configured, or no answer
+
+
 class _ClientBase:
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, stats_roots: list[str] | None = None):
         self.base_url = base_url
         self.root = api_root(base_url)
         self.timeout_s = timeout_s
+        # Where the connector's logs are: the server itself, or each instance behind a router.
+        self.stats_roots = [api_root(u) for u in stats_roots] if stats_roots else [self.root]
 
     def _openai_options(self) -> dict[str, Any]:
         return dict(base_url=self.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
                     timeout=self.timeout_s, max_retries=0)
 
     def stats(self) -> dict[str, Any] | None:
-        """The connector's counters, or None where the server has no kvcmas stats."""
-        try:
-            with urllib.request.urlopen(f"{self.root}/kvcmas/stats", timeout=10) as r:
-                return json.load(r)
-        except (OSError, ValueError):  # HTTPError and URLError are OSErrors
-            return None  # plain vLLM (404), no stats file configured, or no answer
+        """The connector's counters (summed over instances), or None where a server has no
+        kvcmas stats."""
+        parts = [read_stats(root) for root in self.stats_roots]
+        if any(p is None for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else merge_stats(parts)
 
 
 class EngineClient(_ClientBase):
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(
+        self, base_url: str, timeout_s: float = 600.0, stats_roots: list[str] | None = None
+    ):
         import openai
 
-        super().__init__(base_url, timeout_s)
+        super().__init__(base_url, timeout_s, stats_roots)
         self.openai = openai.OpenAI(**self._openai_options())
 
     def served_models(self) -> list[str]:
@@ -215,10 +258,12 @@ class AsyncEngineClient(_ClientBase):
     The connector's logs are read as the first token arrives (they are complete then), while
     the rest streams, so a busy server's short log window still holds the request."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(
+        self, base_url: str, timeout_s: float = 600.0, stats_roots: list[str] | None = None
+    ):
         import openai
 
-        super().__init__(base_url, timeout_s)
+        super().__init__(base_url, timeout_s, stats_roots)
         self.openai = openai.AsyncOpenAI(**self._openai_options())
 
     async def served_models(self) -> list[str]:

