@@ -393,11 +393,18 @@ class KvcmasConnector(KVConnectorBase_V1):
             layers[name] = torch.stack((k, v))
         self.store.put(order.key, layers)
         if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
-            kv = torch.stack([layers[name] for name in self._layers])
-            torch.save(kv, Path(os.environ[DUMP_DIR_ENV]) / f"{order.request_id}.pt")
+            self._dump(order.request_id, layers)
         self._finished_saving.add(order.request_id)
         self._stats["saved_requests"] += 1
         self._stats["saved_tokens"] += order.num_tokens
+
+    def _dump(self, request_id: str, layers: dict[str, torch.Tensor]) -> None:
+        folder = os.environ.get(DUMP_DIR_ENV)
+        if not folder:  # never stop the engine over a test hook
+            logger.warning("test_dump for %s ignored: %s is not set", request_id, DUMP_DIR_ENV)
+            return
+        kv = torch.stack([layers[name] for name in self._layers])
+        torch.save(kv, Path(folder) / f"{request_id}.pt")
 
     def _read_source(self, key: str, offset: int, length: int):
         """K and V ``[layers, heads, length, D]`` of a saved request, layers in model order."""
