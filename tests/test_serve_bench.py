@@ -330,8 +330,17 @@ def fake_results() -> dict:
                      "found": True, "failed_at_per_s": None, "given": True, "probes": []},
         },
         "cells": cells,
+        "pools": [pool_report("kvcmas", 10, 1 << 20, 2048),
+                  pool_report("kvcomm-v10", 10, 3 << 20, 1024),
+                  pool_report("kvcomm", 20, 8 << 20, 2048)],
         "server": {},
     }  # fmt: skip
+
+
+def pool_report(method, v, nbytes, tokens, size=512):
+    return {"method": method, "size": size, "pool_bytes": nbytes, "analytic_full_bytes": 2 * nbytes,
+            "analytic_lowrank_bytes": nbytes, "anchors": 4, "anchor_tokens": tokens, "pools": 2,
+            "largest_pool": 2, "pool_size": v}  # fmt: skip
 
 
 def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
@@ -344,6 +353,9 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
     assert "| 2048 | - | - | 0.0500 (given) | - |" in table
     assert "| kvcmas | 2048 | 1 | 0.200 | 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | 0.25 |" in table
     assert "p99" not in table.split("## Cells")[1].split("\n")[2]  # no cell has 100 samples
+    # Bytes per anchor token: kvcmas 512, kvcomm-v10 3072, kvcomm 4096; ratios are theirs / mine.
+    assert "| kvcmas | 512 | 10 | 2 | 4 (2) | 2048 | 1.0 | 2.0 | 512 | 6.00 | 8.00 |" in table
+    assert "| kvcomm | 512 | 20 | 2 | 4 (2) | 2048 | 8.0 | 16.0 | 4096 | 0.75 | 1.00 |" in table
     plot(results, tmp_path)
     for name in ("ttft_vs_load", "ttft_vs_size", "chained_vs_nonchained", "memory_vs_size"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
@@ -353,11 +365,12 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
 
 
 @pytest.mark.vllm
-def test_bench_serve_end_to_end_on_two_servers(tmp_path):
-    """Plain vLLM and FullShared, each on its own server, 3 sessions of the four-agent trace at
-    a given capacity: results, table and plots are written; FullShared's later hops reuse the
-    document (and earlier replies), plain vLLM's reuse nothing; every agent wrote exactly 8
-    tokens; the KV-cache gauge and the span store were read while the cell ran."""
+def test_bench_serve_end_to_end_on_three_servers(tmp_path):
+    """Plain vLLM, FullShared and KVCOMM at V=10, each on its own server, 3 sessions of the
+    four-agent trace at a given capacity: results, table and plots are written; FullShared's
+    later hops reuse the document (and earlier replies), plain vLLM's reuse nothing; every
+    agent wrote exactly 8 tokens; the KV-cache gauge and the span store were read while the
+    cell ran; KVCOMM's pools of the size's namespace are reported, within V."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
     out = tmp_path / "out"
@@ -365,9 +378,9 @@ def test_bench_serve_end_to_end_on_two_servers(tmp_path):
     with open(log, "w") as err:
         run = subprocess.run(
             [sys.executable, "-m", "kvcmas.cli", "bench", "serve", "--sizes", "64", "--loads",
-             "1.0", "--methods", "nonshared,fullshared", "--sessions", "3", "--output-tokens",
-             "8", "--capacity", "64=0.5", "--warmup", "0", "--kv-cache-bytes", str(256 << 20),
-             "--out", str(out)],
+             "1.0", "--methods", "nonshared,fullshared,kvcomm-v10", "--sessions", "3",
+             "--output-tokens", "8", "--capacity", "64=0.5", "--warmup", "0",
+             "--kv-cache-bytes", str(256 << 20), "--out", str(out)],
             stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, timeout=900,
         )  # fmt: skip
     assert run.returncode == 0, log.read_text()[-4000:]
@@ -376,7 +389,7 @@ def test_bench_serve_end_to_end_on_two_servers(tmp_path):
         assert (out / name).stat().st_size > 0
     results = json.loads((out / "results.json").read_text())
     cells = {c["method"]: c for c in results["cells"]}
-    assert set(cells) == {"nonshared", "fullshared"}
+    assert set(cells) == {"nonshared", "fullshared", "kvcomm-v10"}
     for c in cells.values():
         assert c["size"] == 64 and c["rate_per_s"] == 0.5 and c["sessions_completed"] == 3
         assert all(s["output_tokens"] == [8, 8, 8, 8] for s in c["sessions"])
@@ -388,5 +401,10 @@ def test_bench_serve_end_to_end_on_two_servers(tmp_path):
     assert cells["fullshared"]["memory"]["store_bytes_this_size"] > 0
     assert cells["nonshared"]["memory"]["store_bytes_this_size"] == 0  # no kvcmas requests
     assert results["capacity"]["64"]["given"]
+    [pools] = results["pools"]  # only KVCOMM keeps pools
+    assert (pools["method"], pools["size"], pools["pool_size"]) == ("kvcomm-v10", 64, 10)
+    assert pools["anchors"] >= 1 and pools["anchor_tokens"] > 0 and pools["pool_bytes"] > 0
+    assert pools["largest_pool"] <= 10
     table = (out / "table.md").read_text()
     assert "smollm2-135m (fp32)" in table and "| fullshared | 64 | 1 | 0.500 | 3/3 |" in table
+    assert "| kvcomm-v10 | 64 | 10 |" in table.split("## Anchor pools")[1]

@@ -100,6 +100,20 @@ def test_stats_of_instances_merge():
     assert [e["request_id"] for e in merged["injections"]] == ["x", "y"]
 
 
+def test_pool_reports_of_instances_merge_per_namespace():
+    def report(nbytes, anchors, largest):
+        return {"pool_bytes": nbytes, "anchors": anchors, "anchor_tokens": 10 * anchors,
+                "pools": 2, "largest_pool": largest, "pool_size": 10}  # fmt: skip
+
+    a = {"pools": {'["t1", "kvcmas"]': report(100, 3, 2)}}
+    b = {"pools": {'["t1", "kvcmas"]': report(50, 4, 3), '["t2", "kvcmas"]': report(7, 1, 1)}}
+    merged = merge_stats([a, b])["pools"]
+    assert merged['["t1", "kvcmas"]'] == {"pool_bytes": 150, "anchors": 7, "anchor_tokens": 70,
+                                          "pools": 4, "largest_pool": 3, "pool_size": 10}
+    assert merged['["t2", "kvcmas"]'] == report(7, 1, 1)
+    assert a["pools"]['["t1", "kvcmas"]']["pool_bytes"] == 100  # the parts are not changed
+
+
 def test_serve_refuses_more_instances_than_cores(monkeypatch, capsys):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr("kvcmas.model.loader.resolve", lambda *a: pytest.fail("resolved"))

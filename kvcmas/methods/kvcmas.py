@@ -250,6 +250,7 @@ class KVCMAS(Method):
             "analytic_full_bytes": full,
             "analytic_lowrank_bytes": low,
             "anchors": sum(len(p.anchors) for p in self.pools.values()),
+            "anchor_tokens": sum(a.length for p in self.pools.values() for a in p.anchors),
             "pools": len(self.pools),
             "largest_pool": max((len(p.anchors) for p in self.pools.values()), default=0),
             "pool_size": c.capacity,  # V: no pool may hold more

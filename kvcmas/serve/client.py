@@ -173,17 +173,39 @@ class _Stream:
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several instances' stats as one: counters summed, logs concatenated."""
+    """Several instances' stats as one: counters summed, logs concatenated, anchor-pool
+    reports merged per (namespace, method)."""
     out: dict[str, Any] = {}
     for part in parts:
         for key, value in part.items():
             old = out.get(key)
-            if isinstance(value, list):
+            if key == "pools":
+                out[key] = merge_pool_reports(old or {}, value)
+            elif isinstance(value, list):
                 out[key] = [*(old or []), *value]
             elif isinstance(value, int | float) and isinstance(old, int | float):
                 out[key] = old + value
             elif key not in out:
                 out[key] = value
+    return out
+
+
+# Per-pool figures that do not add up over instances: V, and the largest single pool.
+_POOL_MAXIMA = ("pool_size", "largest_pool")
+
+
+def merge_pool_reports(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
+    """Two instances' ``pools`` (report per namespace and method): bytes and counts summed."""
+    out = {key: dict(report) for key, report in a.items()}
+    for key, report in b.items():
+        mine = out.setdefault(key, {})
+        for field, value in report.items():
+            if field not in mine:
+                mine[field] = value
+            elif field in _POOL_MAXIMA:
+                mine[field] = max(mine[field], value)
+            else:
+                mine[field] += value
     return out
 
 

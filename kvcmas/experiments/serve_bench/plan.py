@@ -38,8 +38,11 @@ METHODS = {
         ServedMethod("kvcmas", "kvcmas", "kvcmas"),
         # Non-chained: each span's base is a context-free reference prefill, as KVCOMM's.
         ServedMethod("kvcmas-nochain", "kvcmas", "kvcmas", {"chain": False}),
-        ServedMethod("kvcomm", "kvcomm", "kvcomm"),
+        ServedMethod("kvcomm", "kvcomm", "kvcomm"),  # its own V = 20
+        # KVCOMM at KVCMAS's V = 10: anchor-pool bytes compared at equal V.
+        ServedMethod("kvcomm-v10", "kvcomm", "kvcomm", {"pool_size": 10}),
         ServedMethod("cacheblend", "cacheblend", "cacheblend"),
+        ServedMethod("headrecompute", "headrecompute", "headrecompute"),
     )
 }
 BASELINE = "nonshared"

@@ -61,6 +61,47 @@ def capacity_lines(results: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+KVCOMM_POOLS = ("kvcomm-v10", "kvcomm")  # the references of the pool-bytes ratio: V=10, V=20
+
+
+def _per_token(report: dict[str, Any]) -> float | None:
+    return report["pool_bytes"] / report["anchor_tokens"] if report["anchor_tokens"] else None
+
+
+def pool_lines(results: dict[str, Any]) -> list[str]:
+    """Each pooled method's anchor pools after its cells at S, and its bytes per anchor token
+    against KVCOMM's at V = 10 and V = 20 (pool bytes at equal V and S scale with this)."""
+    reports = results.get("pools") or []
+    if not reports:
+        return []
+    refs = {(r["method"], r["size"]): _per_token(r) for r in reports if r["method"] in KVCOMM_POOLS}
+    heads = " | ".join(f"KVCOMM V={v} / this, per anchor token" for v in (10, 20))
+    lines = [
+        "", "## Anchor pools", "",
+        "After a method's cells at S, its namespace's pools: one per (producer slot, consumer "
+        "agent), each holding at most V anchors; bytes are measured, fp32; 'full width' is the "
+        "analytic size of the same anchors kept as full K and V base and delta (KVCOMM's form); "
+        "the ratios divide KVCOMM's bytes per anchor token by this method's (at equal V and S, "
+        "full pools' bytes are in this ratio). The span store is reported separately above.", "",
+        f"| method | S | V | pools | anchors (largest pool) | anchor tokens | MiB | full width "
+        f"MiB | bytes per anchor token | {heads} |",
+        "|" + "---|" * 11,
+    ]  # fmt: skip
+    for r in reports:
+        mine = _per_token(r)
+        ratios = [
+            "-" if mine is None or refs.get((ref, r["size"])) is None
+            else f"{refs[(ref, r['size'])] / mine:.2f}"
+            for ref in KVCOMM_POOLS
+        ]
+        lines.append(
+            f"| {r['method']} | {r['size']} | {r['pool_size']} | {r['pools']} | {r['anchors']} "
+            f"({r['largest_pool']}) | {r['anchor_tokens']} | {_mib(r['pool_bytes'])} | "
+            f"{_mib(r['analytic_full_bytes'])} | {fmt(mine, '.0f')} | {' | '.join(ratios)} |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["setup"]
     p99 = any(c["ttft_later_s"]["p99"] is not None for c in results["cells"])
@@ -102,6 +143,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_mib(m.get('store_bytes_this_size'))} | "
             f"{_mib(m.get('method_state_bytes_this_size'))} |"
         )
+    lines += pool_lines(results)
     unlogged = sum(c["unlogged_hops"] for c in results["cells"])
     failed = sum(c["sessions_failed"] for c in results["cells"])
     lines += [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -66,6 +67,7 @@ class Bench:
             s: given_capacity(rate) for s, rate in args.capacity.items()
         }
         self.stats_roots: list[str] | None = None  # the instances behind the current router
+        self.pools: list[dict[str, Any]] = []  # per (method, S): its namespace's pool report
 
     # --- one event loop per cell ------------------------------------------------------------
 
@@ -196,7 +198,16 @@ class Bench:
                 t = summary["ttft_later_s"]["p50"]
                 self.log(f"{label}: {summary['sessions_completed']}/{len(records)} sessions, "
                          f"TTFT hops 2+ p50 {'-' if t is None else f'{t:.3f}s'}")  # fmt: skip
+            self.record_pools(base_url, method, namespace, size)
         return cells
+
+    def record_pools(self, base_url: str, method: ServedMethod, namespace: str, size: int):
+        """The anchor pools this size's namespace holds after its cells (methods with pools)."""
+        stats = EngineClient(base_url, stats_roots=self.stats_roots).stats() or {}
+        key = json.dumps([namespace, method.request_method])
+        report = (stats.get("pools") or {}).get(key)
+        if report is not None:
+            self.pools.append({"method": method.name, "size": size, **report})
 
 
 def session_json(r: SessionRecord) -> dict[str, Any]:
@@ -299,5 +310,6 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
         },  # fmt: skip
         "capacity": {str(s): c.to_json() for s, c in run.capacity.items()},
         "cells": cells,
+        "pools": run.pools,
         "server": server,
     }
