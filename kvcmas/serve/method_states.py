@@ -13,14 +13,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from kvcmas.methods.base import Method
-
-DEFAULT_CAPACITY = 64
+from kvcmas.serve.params import DEFAULT_NAMESPACES
 
 Key = tuple[str | None, str]  # (namespace, method name)
 
 
 class MethodStates:
-    def __init__(self, make: Callable[[str], Method], capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, make: Callable[[str], Method], capacity: int = DEFAULT_NAMESPACES):
         if capacity < 1:
             raise ValueError(f"need room for at least one method object, got {capacity}")
         self._make, self.capacity = make, capacity

@@ -27,6 +27,9 @@ _TEST_FIELDS = ("test_noise_std", "test_dump")
 # "dense" prefills every span densely with kvcmas's runtime inside the claim (the NonShared
 # method): the exact counterpart of the others, measuring what the connector itself costs.
 # (Plain vLLM, with no kvcmas params, is what `kvcmas run --engine vllm` calls "nonshared".)
+# Method objects (one per namespace and method, holding its anchor pools) a connector keeps.
+DEFAULT_NAMESPACES = 64
+
 CONNECTOR_METHODS = (
     "exact", "dense", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
 )  # fmt: skip
