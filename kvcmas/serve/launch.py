@@ -193,6 +193,11 @@ class ServerProcess:
             preexec_fn=_die_with_parent,
         )
 
+    @property
+    def group(self) -> int:
+        """The process group of the server and everything it starts (its own session)."""
+        return self.proc.pid
+
     def wait_healthy(self, timeout_s: float, stopping: Callable[[], bool]) -> bool:
         """True once /health answers; False if the server exited, a stop was asked or the
         timeout passed."""

@@ -29,10 +29,19 @@ def _cell(results: dict[str, Any], method: str, size: int, load: float) -> dict 
                  == (method, size, load)), None)  # fmt: skip
 
 
-def _ratio(results: dict[str, Any], c: dict[str, Any]) -> str:
+def _later_p50(c: dict[str, Any]) -> float | None:
+    return c["ttft_later_s"]["p50"]
+
+
+def _server_cpu(c: dict[str, Any]) -> float | None:
+    return (c.get("compute") or {}).get("server_cpu_s")  # runs before it was measured: None
+
+
+def _ratio(results: dict[str, Any], c: dict[str, Any], value=_later_p50) -> str:
+    """``value`` of the cell over plain vLLM's in the same (S, load) cell."""
     base = _cell(results, BASELINE, c["size"], c["load"])
-    mine = c["ttft_later_s"]["p50"]
-    theirs = base["ttft_later_s"]["p50"] if base else None
+    mine = value(c)
+    theirs = value(base) if base else None
     return "-" if mine is None or not theirs else f"{mine / theirs:.2f}"
 
 
@@ -118,6 +127,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"One server per method; warm-up sessions per S: {s['warmup']}. TTFT is the client's "
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
         "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
+        "Server CPU: user + system seconds of the server's processes (API server, engine core, "
+        "router) over the cell, and that over plain vLLM's in the same cell. "
         "Memory (MiB): vLLM's KV blocks in use at the cell's peak; the connector's span store "
         "and anchor pools at the cell's peak less what they held before this S began (each S "
         "has its own namespace; the store is an LRU bounded by the server's --store-bytes, so "
@@ -127,9 +138,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "## Cells", "",
         f"| method | S | load | rate/s | sessions done/sent | TTFT hop 1 p50 / p95 | TTFT hops 2+ "
-        f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | rho | recompute "
-        "| KV peak | store | pools |",
-        "|" + "---|" * 16,
+        f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | server CPU s "
+        "| CPU vs plain | rho | recompute | KV peak | store | pools |",
+        "|" + "---|" * 18,
     ]  # fmt: skip
     for c in results["cells"]:
         m = c["memory"]
@@ -138,7 +149,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{c['sessions_completed']}/{c['sessions_launched']} | {_dist(c['ttft_first_s'])} | "
             f"{_dist(c['ttft_later_s'], p99)} | {_ratio(results, c)} | "
             f"{_dist(c['session_latency_s'])} | {fmt(c['sessions_per_s'], '.3f')} | "
-            f"{fmt(c['output_tokens_per_s'], '.1f')} | {fmt(c['rho_later'], '.2f')} | "
+            f"{fmt(c['output_tokens_per_s'], '.1f')} | {fmt(_server_cpu(c), '.1f')} | "
+            f"{_ratio(results, c, _server_cpu)} | {fmt(c['rho_later'], '.2f')} | "
             f"{fmt(c['recompute_later'], '.2f')} | {_mib(m.get('kv_cache_peak_bytes'))} | "
             f"{_mib(m.get('store_bytes_this_size'))} | "
             f"{_mib(m.get('method_state_bytes_this_size'))} |"

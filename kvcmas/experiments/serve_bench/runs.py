@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvcmas.experiments.context_sweep.plan import overhead_tokens, trace_workflo
 from kvcmas.experiments.engine_run import AsyncEngineRunner
 from kvcmas.experiments.machine import machine_description
 from kvcmas.experiments.serve_bench.capacity import CapacitySearch, given_capacity, search_capacity
+from kvcmas.experiments.serve_bench.cpu_time import group_cpu_s
 from kvcmas.experiments.serve_bench.load import MemoryPoller, run_cell
 from kvcmas.experiments.serve_bench.metrics import SessionRecord, cell_summary, percentile
 from kvcmas.experiments.serve_bench.plan import BASELINE, METHODS, ServedMethod, served_methods
@@ -67,6 +69,7 @@ class Bench:
             s: given_capacity(rate) for s, rate in args.capacity.items()
         }
         self.stats_roots: list[str] | None = None  # the instances behind the current router
+        self.server_groups: list[int] = []  # process groups of the current server(s)
         self.pools: list[dict[str, Any]] = []  # per (method, S): its namespace's pool report
 
     # --- one event loop per cell ------------------------------------------------------------
@@ -79,7 +82,10 @@ class Bench:
         requests: list[dict],
         arrivals: list[float],
         label: str,
-    ) -> tuple[list[SessionRecord], float, dict[str, Any]]:
+    ) -> tuple[list[SessionRecord], float, dict[str, Any], dict[str, float | None]]:
+        """One cell's sessions, wall time, memory peaks, and the CPU seconds the server(s)
+        and this client spent on it."""
+
         async def go():
             client = AsyncEngineClient(base_url, stats_roots=self.stats_roots)
             try:
@@ -105,13 +111,21 @@ class Bench:
             finally:
                 await client.close()
 
-        return asyncio.run(go())
+        server_before, client_before = group_cpu_s(self.server_groups), time.process_time()
+        records, wall, memory = asyncio.run(go())
+        server_after = group_cpu_s(self.server_groups)
+        compute = {
+            "server_cpu_s": None if server_after is None or server_before is None
+            else server_after - server_before,
+            "client_cpu_s": time.process_time() - client_before,
+        }  # fmt: skip
+        return records, wall, memory, compute
 
     def sequential(self, base_url, method, namespace, requests, label) -> list[SessionRecord]:
         """Sessions one after another: each arrives when the one before has ended."""
         records = []
         for i, request in enumerate(requests):
-            got, _, _ = self.cell(base_url, method, namespace, [request], [0.0], f"{label} {i + 1}")
+            got, *_ = self.cell(base_url, method, namespace, [request], [0.0], f"{label} {i + 1}")
             records += got
         return records
 
@@ -139,7 +153,7 @@ class Bench:
             requests = session_requests(next(probe_docs), f"probe{size}-{rate:.4f}")
             arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, rate))
             label = f"S={size} probe {rate:.3f} sessions/s"
-            records, _, _ = self.cell(base_url, method, namespace, requests, arrivals, label)
+            records, *_ = self.cell(base_url, method, namespace, requests, arrivals, label)
             ttft = [h.ttft_s for r in records for h in r.hops]
             p50 = percentile(ttft, 50) if ttft else None
             if len(records) < n or not all(r.complete for r in records):
@@ -178,7 +192,7 @@ class Bench:
                 n = self.args.sessions
                 arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, load))
                 label = f"{method.name} S={size} load {load:g} ({rate:.3f}/s)"
-                records, wall, memory = self.cell(
+                records, wall, memory, compute = self.cell(
                     base_url, method, namespace,
                     session_requests(docs.cells[load], f"S{size}-x{load:g}"), arrivals, label,
                 )  # fmt: skip
@@ -193,11 +207,14 @@ class Bench:
                     memory[f"{key}_this_size"] = None if peak is None else peak - (base or 0)
                 cells.append({
                     "method": method.name, "size": size, "load": load, "rate_per_s": rate,
-                    **summary, "memory": memory, "sessions": [session_json(r) for r in records],
+                    **summary, "memory": memory, "compute": compute,
+                    "sessions": [session_json(r) for r in records],
                 })  # fmt: skip
                 t = summary["ttft_later_s"]["p50"]
+                cpu = compute["server_cpu_s"]
                 self.log(f"{label}: {summary['sessions_completed']}/{len(records)} sessions, "
-                         f"TTFT hops 2+ p50 {'-' if t is None else f'{t:.3f}s'}")  # fmt: skip
+                         f"TTFT hops 2+ p50 {'-' if t is None else f'{t:.3f}s'}, server CPU "
+                         f"{'-' if cpu is None else f'{cpu:.1f}s'}")  # fmt: skip
             self.record_pools(base_url, method, namespace, size)
         return cells
 
@@ -225,10 +242,11 @@ def session_json(r: SessionRecord) -> dict[str, Any]:
 @contextlib.contextmanager
 def method_server(
     args, method: ServedMethod, folder: Path, name: str, max_model_len: int, log
-) -> Iterator[tuple[str, list[str] | None]]:
+) -> Iterator[tuple[str, list[str] | None, list[int]]]:
     """A ``kvcmas serve`` server for one method on a free local port, its context only as
-    long as the longest hop needs (a shorter start); yields its /v1 URL and, with
-    ``--instances N``, the router's URL and the instances' (where the stats are)."""
+    long as the longest hop needs (a shorter start); yields its /v1 URL (with ``--instances
+    N``, the router's), the instances' URLs (where the stats are; None for one server), and
+    the process groups whose CPU time is the server's."""
     from kvcmas.serve.cluster import running_cluster
     from kvcmas.serve.launch import ServeConfig, ServerProcess, check_port
 
@@ -244,7 +262,7 @@ def method_server(
             if cluster is None:
                 raise UsageError(f"the cluster for {method.name} did not come up (logs above)")
             log(f"{method.name}: instances on {', '.join(cluster.instance_urls)}")
-            yield f"{cfg.url}/v1", cluster.instance_urls
+            yield f"{cfg.url}/v1", cluster.instance_urls, [p.group for p in cluster.processes()]
         return
     with tempfile.TemporaryDirectory(prefix="kvcmas-serve-bench-") as tmp:
         server = ServerProcess(cfg, Path(tmp) / "stats.json")
@@ -254,7 +272,7 @@ def method_server(
             if not server.wait_healthy(SERVER_START_TIMEOUT_S, lambda: False):
                 raise UsageError(f"the vLLM server for {method.name} did not answer on "
                                  f"{cfg.url}/health")  # fmt: skip
-            yield f"{cfg.url}/v1", None
+            yield f"{cfg.url}/v1", None, [server.group]
         finally:
             server.stop()
 
@@ -274,7 +292,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
     cells, server = [], {}
     for method in methods:
         with method_server(args, method, folder, name, run.max_model_len, log) as served:
-            base_url, run.stats_roots = served
+            base_url, run.stats_roots, run.server_groups = served
             cells += run.run_method(method, base_url, measure=method.name in args.methods)
             stats = EngineClient(base_url, stats_roots=run.stats_roots).stats() or {}
             server[method.name] = {k: stats.get(k) for k in (
