@@ -256,6 +256,7 @@ def test_every_session_of_a_run_has_its_own_document_of_exactly_s_tokens():
     [
         (["--capacity", "512=0.1", "--sizes", "2048"], "--capacity names sizes not in --sizes"),
         (["--sessions", "0"], "need --sessions >= 1"),
+        (["--store-bytes", "0"], "need --kv-cache-bytes >= 1 and --store-bytes >= 1"),
         (["--loads", "0"], "loads positive"),
         (["--dtype", "fp16"], "unknown dtype 'fp16'"),
         (["--options", "kvcmas:tau=-1"], "tau must be >= 0"),
@@ -321,7 +322,7 @@ def fake_results() -> dict:
                   "machine": "test box", "workflow": "trace4", "agents": 4, "output_tokens": 128,
                   "sizes": [512, 2048], "loads": [0.5, 1.0], "sessions": 4, "warmup": 1,
                   "seed": 0, "cell_time_s": 300.0, "drain_s": 60.0, "kv_cache_bytes": 1 << 30,
-                  "source": "mmlu", "methods": {}},
+                  "store_bytes": 1 << 29, "source": "mmlu", "methods": {}},
         "capacity": {
             "512": {"idle_ttft_s": 0.5, "threshold_s": 1.0, "capacity_per_s": 0.2, "found": True,
                     "failed_at_per_s": 0.4, "given": False,
@@ -349,7 +350,7 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
 
     results = fake_results()
     table = markdown(results)
-    assert "smollm2-135m (fp32)" in table and "test box" in table
+    assert "smollm2-135m (fp32)" in table and "span store bound 512 MiB; machine test box" in table
     assert "| 512 | 0.500 | 1.000 | 0.2000 | 0.200: 0.900 +, 0.400: 1.400 x |" in table
     assert "| 2048 | - | - | 0.0500 (given) | - |" in table
     assert "| kvcmas | 2048 | 1 | 0.200 | 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | 0.25 |" in table

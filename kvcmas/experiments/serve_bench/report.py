@@ -118,7 +118,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Serving under load (kvcmas bench serve)", "",
         f"Model {s['model']} ({s['dtype']}), {s['engine']}, KV cache "
-        f"{s['kv_cache_bytes'] / MIB:.0f} MiB; machine {s['machine']}.", "",
+        f"{s['kv_cache_bytes'] / MIB:.0f} MiB"
+        + (f", span store bound {s['store_bytes'] / MIB:.0f} MiB" if "store_bytes" in s else "")
+        + f"; machine {s['machine']}.", "",
         f"Trace {s['workflow']}: a chain of {s['agents']} agents, each reading a document of S "
         f"tokens ({s['source']}) and every earlier output, {s['output_tokens']} output tokens "
         f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {s['sessions']} "

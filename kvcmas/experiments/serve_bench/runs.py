@@ -252,7 +252,8 @@ def method_server(
 
     cfg = ServeConfig(
         folder, name, method.server_method, args.dtype, port=check_port(0, "127.0.0.1"),
-        kv_cache_bytes=args.kv_cache_bytes, max_model_len=max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
+        max_model_len=max_model_len,
         method_options=method.options or None,
     )  # fmt: skip
     if args.instances != 1:
@@ -319,6 +320,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "cell_time_s": args.cell_time_s,
             "drain_s": args.drain_s,
             "kv_cache_bytes": args.kv_cache_bytes,
+            "store_bytes": args.store_bytes,
             "source": args.source,
             "methods": {
                 m.name: {"server_method": m.server_method, "options": m.options}
