@@ -10,16 +10,14 @@ decider's over the three notes it quotes.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.test_serve_cli import ROOT, _free_port, descendants, kill_all, read_line
+from tests.test_serve_cli import ROOT, descendants, kill_all, start_serve
 
 EXAMPLE = ROOT / "examples" / "langgraph_roster.py"
 MIN_SPAN = 16
@@ -68,19 +66,11 @@ def test_langgraph_roster_reuses_spans_through_kvcmas_serve(tmp_path):
     example = import_example()
     from kvcmas.serve.client import load_model_side
 
-    port = _free_port()
-    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / "server.log"))
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcmas.cli", "serve", "--method", "fullshared", "--port",
-             str(port), "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
-             "--min-span", str(MIN_SPAN)],
-            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-        )
+    proc, port, log = start_serve(tmp_path, "server.log", [
+        "--method", "fullshared", "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
+        "--min-span", str(MIN_SPAN)])  # fmt: skip
     tree: set[int] = set()
     try:
-        line = read_line(proc, 600)  # a guard against a hung start, not a timing check
-        assert f"listening on http://127.0.0.1:{port}/v1" in line, log.read_text()[-4000:]
         tree = descendants(proc.pid)
         url = f"http://127.0.0.1:{port}/v1"
         run = subprocess.run(

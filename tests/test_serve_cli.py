@@ -216,6 +216,25 @@ def kill_all(proc: subprocess.Popen, pids: set[int]) -> None:
     proc.wait()
 
 
+def start_serve(
+    tmp_path: Path, log_name: str, args: list[str]
+) -> tuple[subprocess.Popen, int, Path]:
+    """``kvcmas serve ARGS`` on a free port, its log in $KVCMAS_SERVE_LOG or ``tmp_path``;
+    returns (process, port, log) once it says it listens (600 s: a guard against a hung
+    start, not a timing check), killed and failed if it does not."""
+    port = _free_port()
+    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / log_name))
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcmas.cli", "serve", "--port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+        )
+    if f"listening on http://127.0.0.1:{port}/v1" not in read_line(proc, 600):
+        kill_all(proc, descendants(proc.pid))
+        pytest.fail(f"kvcmas serve did not start:\n{log.read_text()[-4000:]}")
+    return proc, port, log
+
+
 def start_driver(tmp_path: Path, mode: str, grace: float = 30.0) -> tuple[subprocess.Popen, int]:
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
@@ -420,19 +439,11 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
     from kvcmas.experiments.engine_run import EngineRunner
     from kvcmas.serve.client import EngineClient, load_model_side
 
-    port = _free_port()
-    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / "server.log"))
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcmas.cli", "serve", "--method", "exact", "--port",
-             str(port), "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
-             "--min-span", "16"],
-            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-        )
+    proc, port, log = start_serve(tmp_path, "server.log", [
+        "--method", "exact", "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
+        "--min-span", "16"])  # fmt: skip
     tree: set[int] = set()
     try:
-        line = read_line(proc, 600)  # a guard against a hung start, not a timing check
-        assert f"listening on http://127.0.0.1:{port}/v1" in line, log.read_text()[-4000:]
         tree = descendants(proc.pid)
 
         workflow_file = tmp_path / "pair.json"

@@ -26,7 +26,7 @@ from kvcmas.errors import UsageError
 from kvcmas.serve import cluster
 from kvcmas.serve.client import SESSION_HEADERS, _Stream, merge_stats, session_key
 from kvcmas.serve.launch import ServeConfig, healthy, server_env
-from tests.test_serve_cli import _free_port, alive, descendants, read_line
+from tests.test_serve_cli import _free_port, alive, descendants, start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,19 +236,11 @@ def test_two_instances_behind_the_router_keep_sessions_where_their_spans_are(tmp
     from kvcmas.serve.client import EngineClient, load_model_side
     from kvcmas.workflow.spec import workflow_from_dict
 
-    port = _free_port()
-    log = Path(os.environ.get("KVCMAS_SERVE_LOG", tmp_path / "cluster.log"))
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcmas.cli", "serve", "--instances", "2", "--method",
-             "fullshared", "--port", str(port), "--max-model-len", "1024", "--kv-cache-bytes",
-             str(256 << 20), "--min-span", "16"],
-            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-        )  # fmt: skip
+    proc, port, log = start_serve(tmp_path, "cluster.log", [
+        "--instances", "2", "--method", "fullshared", "--max-model-len", "1024",
+        "--kv-cache-bytes", str(256 << 20), "--min-span", "16"])  # fmt: skip
     tree: set[int] = set()
     try:
-        line = read_line(proc, 600)  # a guard against a hung start, not a timing check
-        assert f"listening on http://127.0.0.1:{port}/v1" in line, log.read_text()[-4000:]
         # Printed right after it (and maybe already buffered: no select on the pipe here).
         lines = [proc.stdout.readline() for _ in range(2)]
         roots = [ln.split(" on ", 1)[1].split("/v1", 1)[0] for ln in lines]
