@@ -66,7 +66,7 @@ def test_langgraph_roster_reuses_spans_through_kvcmas_serve(tmp_path):
     example = import_example()
     from kvcmas.serve.client import load_model_side
 
-    proc, port, log = start_serve(tmp_path, "server.log", [
+    proc, port, _ = start_serve(tmp_path, "server.log", [
         "--method", "fullshared", "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
         "--min-span", str(MIN_SPAN)])  # fmt: skip
     tree: set[int] = set()

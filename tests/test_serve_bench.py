@@ -256,7 +256,7 @@ def test_every_session_of_a_run_has_its_own_document_of_exactly_s_tokens():
     [
         (["--capacity", "512=0.1", "--sizes", "2048"], "--capacity names sizes not in --sizes"),
         (["--sessions", "0"], "need --sessions >= 1"),
-        (["--store-bytes", "0"], "need --kv-cache-bytes >= 1 and --store-bytes >= 1"),
+        (["--store-bytes", "0"], "--store-bytes must be a positive number, got 0"),
         (["--loads", "0"], "loads positive"),
         (["--dtype", "fp16"], "unknown dtype 'fp16'"),
         (["--options", "kvcmas:tau=-1"], "tau must be >= 0"),
@@ -292,6 +292,39 @@ def test_bench_serve_parses_capacity_and_method_options(tmp_path):
     assert methods[0].plain and not methods[1].plain
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--out", "x", "--capacity", "512:0.1"])
+
+
+def test_method_server_gives_the_span_store_bound_and_yields_the_server_group(
+    tmp_path, monkeypatch
+):
+    from kvcmas.experiments.serve_bench import runs
+    from kvcmas.experiments.serve_bench.plan import served_methods
+    from kvcmas.serve import launch
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, cfg, stats_file):
+            self.cfg, self.group = cfg, 4242
+            started.append(self)
+
+        def wait_healthy(self, timeout_s, stopping):
+            return True
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(launch, "ServerProcess", FakeServer)
+    args = cli.build_parser().parse_args(
+        ["bench", "serve", "--out", str(tmp_path), "--methods", "kvcmas", "--store-bytes",
+         str(3 << 30), "--kv-cache-bytes", str(1 << 29)])  # fmt: skip
+    [method] = served_methods(args)
+    with runs.method_server(args, method, tmp_path, "m", 4096, lambda _: None) as served:
+        url, instances, groups = served
+    [server] = started
+    assert (server.cfg.store_bytes, server.cfg.kv_cache_bytes) == (3 << 30, 1 << 29)
+    assert url == f"{server.cfg.url}/v1" and instances is None and groups == [4242]
+    assert server.stopped
 
 
 # ----------------------------------------------------------------- report
@@ -364,6 +397,18 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
     plot(results, tmp_path)
     for name in ("ttft_vs_load", "ttft_vs_size", "chained_vs_nonchained", "memory_vs_size"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_report_renders_results_written_before_cpu_and_store_bound_were_recorded():
+    from kvcmas.experiments.serve_bench.report import markdown
+
+    results = fake_results()
+    del results["setup"]["store_bytes"]
+    for c in results["cells"]:
+        del c["compute"]
+    table = markdown(results)
+    assert "span store bound" not in table
+    assert "| 0.100 | 40.0 | - | - | 0.80 |" in table.split("| kvcmas | 2048 | 1 |")[1]
 
 
 # ----------------------------------------------------------------- a real server

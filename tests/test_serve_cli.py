@@ -439,7 +439,7 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
     from kvcmas.experiments.engine_run import EngineRunner
     from kvcmas.serve.client import EngineClient, load_model_side
 
-    proc, port, log = start_serve(tmp_path, "server.log", [
+    proc, port, _ = start_serve(tmp_path, "server.log", [
         "--method", "exact", "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
         "--min-span", "16"])  # fmt: skip
     tree: set[int] = set()

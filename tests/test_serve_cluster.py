@@ -26,9 +26,7 @@ from kvcmas.errors import UsageError
 from kvcmas.serve import cluster
 from kvcmas.serve.client import SESSION_HEADERS, _Stream, merge_stats, session_key
 from kvcmas.serve.launch import ServeConfig, healthy, server_env
-from tests.test_serve_cli import _free_port, alive, descendants, start_serve
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.test_serve_cli import _free_port, alive, descendants, kill_all, start_serve
 
 
 def _has_router() -> bool:
@@ -290,10 +288,7 @@ def test_two_instances_behind_the_router_keep_sessions_where_their_spans_are(tmp
             time.sleep(0.2)
         assert not [p for p in tree if alive(p)], "processes outlived the cluster"
     finally:
-        for pid in {proc.pid, *tree}:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
+        kill_all(proc, tree)
 
 
 def test_memory_of_instances_is_read_from_each(monkeypatch):

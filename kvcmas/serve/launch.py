@@ -228,13 +228,13 @@ class ServerProcess:
 
     def _signal_group(self, sig: int) -> None:
         try:
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.group, sig)
         except ProcessLookupError:
             pass
 
     def _group_alive(self) -> bool:
         try:
-            os.killpg(self.proc.pid, 0)
+            os.killpg(self.group, 0)
         except ProcessLookupError:
             return False
         return True

@@ -10,7 +10,12 @@ from kvcmas.errors import UsageError
 from kvcmas.experiments.args import add_model_args
 from kvcmas.experiments.common import float_list, int_list, parse_list
 from kvcmas.experiments.engine_run import PLAIN
-from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES, check_method
+from kvcmas.serve.launch import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_STORE_BYTES,
+    check_method,
+    check_sizes,
+)
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --sessions >= 1, --output-tokens >= 1 and --warmup >= 0")
     if args.idle_sessions < 1 or args.probe_sessions < 1 or args.search_probes < 1:
         raise UsageError("need --idle-sessions, --probe-sessions and --search-probes >= 1")
-    if args.kv_cache_bytes < 1 or args.store_bytes < 1:
-        raise UsageError("need --kv-cache-bytes >= 1 and --store-bytes >= 1")
+    check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes)
     if args.cell_time_s <= 0 or args.drain_s < 0:
         raise UsageError("need --cell-time-s > 0 and --drain-s >= 0")
     if args.instances != 1:

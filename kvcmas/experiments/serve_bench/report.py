@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,11 @@ def _server_cpu(c: dict[str, Any]) -> float | None:
     return (c.get("compute") or {}).get("server_cpu_s")  # runs before it was measured: None
 
 
-def _ratio(results: dict[str, Any], c: dict[str, Any], value=_later_p50) -> str:
+def _ratio(
+    results: dict[str, Any],
+    c: dict[str, Any],
+    value: Callable[[dict[str, Any]], float | None] = _later_p50,
+) -> str:
     """``value`` of the cell over plain vLLM's in the same (S, load) cell."""
     base = _cell(results, BASELINE, c["size"], c["load"])
     mine = value(c)
@@ -130,7 +135,8 @@ def markdown(results: dict[str, Any]) -> str:
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
         "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
         "Server CPU: user + system seconds of the server's processes (API server, engine core, "
-        "router) over the cell, and that over plain vLLM's in the same cell. "
+        "router) over the whole cell, and that over plain vLLM's in the same cell (the same "
+        "sessions are sent to both: compare where both completed them all). "
         "Memory (MiB): vLLM's KV blocks in use at the cell's peak; the connector's span store "
         "and anchor pools at the cell's peak less what they held before this S began (each S "
         "has its own namespace; the store is an LRU bounded by the server's --store-bytes, so "

@@ -26,7 +26,7 @@ from kvcmas.experiments.context_sweep.plan import overhead_tokens, trace_workflo
 from kvcmas.experiments.engine_run import AsyncEngineRunner
 from kvcmas.experiments.machine import machine_description
 from kvcmas.experiments.serve_bench.capacity import CapacitySearch, given_capacity, search_capacity
-from kvcmas.experiments.serve_bench.cpu_time import group_cpu_s
+from kvcmas.experiments.serve_bench.cpu_time import cpu_spent, group_cpu_s
 from kvcmas.experiments.serve_bench.load import MemoryPoller, run_cell
 from kvcmas.experiments.serve_bench.metrics import SessionRecord, cell_summary, percentile
 from kvcmas.experiments.serve_bench.plan import BASELINE, METHODS, ServedMethod, served_methods
@@ -113,12 +113,11 @@ class Bench:
 
         server_before, client_before = group_cpu_s(self.server_groups), time.process_time()
         records, wall, memory = asyncio.run(go())
-        server_after = group_cpu_s(self.server_groups)
+        client_after = time.process_time()  # this process: the load generator and poller
         compute = {
-            "server_cpu_s": None if server_after is None or server_before is None
-            else server_after - server_before,
-            "client_cpu_s": time.process_time() - client_before,
-        }  # fmt: skip
+            "server_cpu_s": cpu_spent(server_before, group_cpu_s(self.server_groups)),
+            "client_cpu_s": client_after - client_before,
+        }
         return records, wall, memory, compute
 
     def sequential(self, base_url, method, namespace, requests, label) -> list[SessionRecord]:
