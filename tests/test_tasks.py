@@ -196,6 +196,16 @@ def synthetic_results() -> dict:
     return results
 
 
+def test_wilson_interval_of_known_cases():
+    from kvcmas.eval.summary import wilson_interval
+
+    # 15/60: centre (0.25 + 1.96^2/120) / (1 + 1.96^2/60) = 0.265, half-width 0.107.
+    lo, hi = wilson_interval(15, 60)
+    assert lo == pytest.approx(0.1578, abs=1e-4) and hi == pytest.approx(0.3723, abs=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    assert wilson_interval(0, 0) is None
+
+
 def test_accuracy_table():
     table = acc_report.markdown_table(synthetic_results())
     assert "smollm2-135m (fp32)" in table and "4 MMLU, 4 GSM8K" in table
@@ -203,8 +213,11 @@ def test_accuracy_table():
     main, efficiency = table.split("## Reuse")
     rows = {line.split(" | ")[0][2:]: line for line in main.splitlines() if line.startswith("| ")}
     assert rows["method"].count("acc") == 2
-    assert "0.500 (2/4) | ref" in rows["nonshared"]
-    assert "0.750 (3/4) | 0.75" in rows["kvcmas"] and "0.250 (1/4) | 1.00" in rows["kvcmas"]
+    # Each share with its 95% Wilson interval: 2/4 -> 0.15-0.85, 3/4 -> 0.30-0.95, 1/4 ->
+    # 0.05-0.70, 4/4 -> 0.51-1.00.
+    assert "0.500 (2/4) [0.15-0.85] | ref" in rows["nonshared"]
+    assert "0.750 (3/4) [0.30-0.95] | 0.75 [0.30-0.95]" in rows["kvcmas"]
+    assert "0.250 (1/4) [0.05-0.70] | 1.00 [0.51-1.00]" in rows["kvcmas"]
     assert rows["nonshared-bf16"].endswith("| - | - |")  # a missing run is a dash, not a crash
     # rho beside recompute (all hops / 2+), TTFT all / 2+ and its ratio, latency, compute.
     assert (

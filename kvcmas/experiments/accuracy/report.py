@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvcmas.eval.summary import wilson_interval
 from kvcmas.experiments.accuracy.plan import TITLES
 from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
 from kvcmas.experiments.common import write_results
@@ -22,6 +23,13 @@ def _budget_text(report: dict[str, Any]) -> str:
 
 def _title(task: str) -> str:
     return TITLES.get(task, task)
+
+
+def _interval(share: float | None, n: int) -> str:
+    """``lo-hi``: the 95% Wilson interval of ``share`` of ``n`` items (a share of n items is
+    an exact count, so rounding recovers it)."""
+    found = None if share is None else wilson_interval(round(share * n), n)
+    return "" if found is None else f"{found[0]:.2f}-{found[1]:.2f}"
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -44,7 +52,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         "Accuracy is strict (MMLU: last `Answer: X` line; GSM8K: number after the last "
         "`Answer:`; HumanEval: unit tests pass). Agreement: the same extracted answer as "
         f"{s['reference']} on the same item (where either answer is unreadable: the same "
-        f"final text). {noise}",
+        f"final text). Brackets: the 95% Wilson interval. {noise}",
         "",
         "| method | " + " | ".join(f"{_title(t)} acc | agree" for t in tasks) + " |",
         "|---|" + "---|---|" * len(tasks),
@@ -56,8 +64,13 @@ def markdown_table(report: dict[str, Any]) -> str:
             if m is None:
                 cells.append("- | -")
                 continue
-            agree = "ref" if label == "nonshared" else fmt(m["agreement"], ".2f")
-            cells.append(f"{fmt(m['accuracy'], '.3f')} ({m['correct']}/{m['items']}) | {agree}")
+            n = m["items"]
+            agree = (
+                "ref" if label == "nonshared" or m["agreement"] is None
+                else f"{m['agreement']:.2f} [{_interval(m['agreement'], n)}]"
+            )  # fmt: skip
+            acc = f"{m['accuracy']:.3f} ({m['correct']}/{n}) [{_interval(m['accuracy'], n)}]"
+            cells.append(f"{acc} | {agree}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += efficiency_table(report, tasks)
     if s["fidelity"]:
