@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvcmas import cli
+from kvcmas.experiments.serve_bench.cpu_time import _stat_fields
 from kvcmas.serve.launch import ServeConfig, server_command, server_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +179,7 @@ def descendants(pid: int) -> set[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat_fields(stat)[1])
             children.setdefault(ppid, []).append(int(entry.name))
     found, todo = set(), [pid]
     while todo:
@@ -190,7 +191,7 @@ def descendants(pid: int) -> set[int]:
 
 def alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _stat_fields(Path(f"/proc/{pid}/stat").read_text())[0]
     except OSError:
         return False
     return state != "Z"  # a zombie has exited; only its parent's bookkeeping is left

@@ -25,10 +25,9 @@ def _title(task: str) -> str:
     return TITLES.get(task, task)
 
 
-def _interval(share: float | None, n: int) -> str:
-    """``lo-hi``: the 95% Wilson interval of ``share`` of ``n`` items (a share of n items is
-    an exact count, so rounding recovers it)."""
-    found = None if share is None else wilson_interval(round(share * n), n)
+def _interval(successes: int, n: int) -> str:
+    """``lo-hi``: the 95% Wilson interval of ``successes`` out of ``n`` items."""
+    found = wilson_interval(successes, n)
     return "" if found is None else f"{found[0]:.2f}-{found[1]:.2f}"
 
 
@@ -67,9 +66,10 @@ def markdown_table(report: dict[str, Any]) -> str:
             n = m["items"]
             agree = (
                 "ref" if label == "nonshared" or m["agreement"] is None
-                else f"{m['agreement']:.2f} [{_interval(m['agreement'], n)}]"
+                # a share of n items is an exact count: rounding recovers it
+                else f"{m['agreement']:.2f} [{_interval(round(m['agreement'] * n), n)}]"
             )  # fmt: skip
-            acc = f"{m['accuracy']:.3f} ({m['correct']}/{n}) [{_interval(m['accuracy'], n)}]"
+            acc = f"{m['accuracy']:.3f} ({m['correct']}/{n}) [{_interval(m['correct'], n)}]"
             cells.append(f"{acc} | {agree}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += efficiency_table(report, tasks)
