@@ -129,10 +129,22 @@ def test_head_only_repair_gives_dense_head_rows_without_a_check_pass(model):
         assert torch.equal(got, want)
 
 
+def test_head_selection_lengthens_the_head_and_pays_no_check_pass(model):
+    """select="head": the extra tokens are the ones right after the head, recomputed through
+    every layer from their embeddings, exactly as a head of head + extra tokens."""
+    cache, start = placed(model)
+    rep = repair_span(model, cache, SHARED, start, head=2, extra=4, select="head")
+    want, _ = placed(model)
+    repair_span(model, want, SHARED, start, head=6)
+    assert rep.pairs == 6 * model.config.n_layers and torch.equal(rep.selected, torch.arange(6))
+    assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+
+
 @pytest.mark.device
 def test_repairing_every_token_is_dense(model):
     dense = dense_cache(model, PREFIX + SHARED)
-    for kw in ({"extra": len(SHARED)}, {"head": 4, "extra": 100}, {"head": 100}):
+    every = ({"extra": len(SHARED)}, {"head": 4, "extra": 100}, {"head": 100})
+    for kw in every + ({"head": 1, "extra": 100, "select": "head"},):
         cache, _ = placed(model)
         repair_span(model, cache, SHARED, len(PREFIX), **kw)
         close(cache.k[:, :, : cache.length], dense.k[:, :, : dense.length])
@@ -239,6 +251,36 @@ def test_graded_repair_records_budget_selection_and_exact_counts(model, select):
     assert rec.served_tokens == QUERY_LEN - k
     counts = ReuseCounts.of(builds[-1].records, n_layers)
     assert counts.rho == (QUERY_LEN - k) / QUERY_LEN
+
+
+def test_graded_head_repair_spends_its_budget_on_the_head(model):
+    n_layers, head = model.config.n_layers, 2
+    method = make_method(
+        "kvcmas", tau=2.0, min_anchors=2, repair_max=0.8, repair_head=head, repair_select="head"
+    )
+    builds = run_stream(method, model, queries(4))
+    rec = query_record(builds[-1])
+    k = head + fraction_count(method.config.repair_budget(rec.entropy), QUERY_LEN)
+    assert rec.decision == "partial" and rec.details["selected"] == k < QUERY_LEN
+    assert rec.computed_pairs == k * n_layers and rec.served_tokens == QUERY_LEN - k
+
+
+@pytest.mark.device
+def test_graded_head_repair_of_the_whole_span_is_nonshared(model):
+    """A head one short of the span and any budget above 0: the head selection's extra token
+    completes the span, so the hops are NonShared's."""
+    qs = queries(4)
+    graded = make_method(
+        "kvcmas", tau=2.0, min_anchors=2, repair_max=0.1, repair_head=QUERY_LEN - 1,
+        repair_select="head",
+    )  # fmt: skip
+    pairs = zip(run_stream(graded, model, qs), run_stream(NonShared(), model, qs), strict=True)
+    for got, want in pairs:
+        n = want.cache.length
+        close(got.cache.k[:, :, :n], want.cache.k[:, :, :n])
+        close(got.cache.v[:, :, :n], want.cache.v[:, :, :n])
+        close(got.last_logits, want.last_logits)
+    assert query_record(got).decision == "dense" and query_record(got).served_tokens == 0
 
 
 def test_budget_grows_with_entropy_up_to_repair_max():

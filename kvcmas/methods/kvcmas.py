@@ -59,7 +59,9 @@ class KVCMASConfig(MethodConfig):
     repair_head: int = option(16, "graded repair: first tokens of a span always recomputed")
     repair_from: float = option(0.0, "graded repair: gate entropy where the budget starts to grow")
     repair_select: str = option(
-        DEFAULT_REPAIR_SELECT, "graded repair: score tokens by 'deviation' or 'attention'"
+        DEFAULT_REPAIR_SELECT,
+        "graded repair: score tokens by 'deviation' or 'attention', or 'head' (the budget "
+        "lengthens the head; no scoring pass)",
     )
     repair_check_layer: int = option(1, "graded repair: layer where tokens are scored")
 

@@ -10,6 +10,9 @@ reused span's deviation) plus ``extra`` tokens scored at a check layer ``c``:
 
 * ``select="deviation"`` (CacheBlend's rule): layers ``0..c`` run for *all* span tokens, and
   a token's score is ``sum((fresh - placed)^2)`` of its values (or keys) at layer ``c``;
+* ``select="head"``: nothing is scored; the ``extra`` tokens are the ones right after the head,
+  so the whole budget lengthens the head and no check pass is paid (head recompute's cost at
+  the same count);
 * ``select="attention"``: after the same pass, the attention the hop's question (its final
   private text: the instruction and generation prompt) pays to each span token at layer ``c``.
   The question's rows are run through layers ``0..c-1`` placed right after the span, attending
@@ -18,9 +21,10 @@ reused span's deviation) plus ``extra`` tokens scored at a check layer ``c``:
 
 The chosen tokens then run layers ``c+1..L-1`` entering with their exact hidden state from the
 pass, attending with the exact causal mask to the prefix, to fresh K/V of chosen tokens and to
-placed K/V of the rest. With ``extra == 0`` nothing is scored: the head tokens run all layers
-from their embeddings and no all-token pass is made. ``pairs`` counts every (token, layer) pair
-run: ``n * (c + 1) + k * (L - c - 1)`` with a pass, ``head * L`` without.
+placed K/V of the rest. With ``extra == 0`` (or ``select="head"``) nothing is scored: the
+head tokens run all layers from their embeddings and no all-token pass is made. ``pairs``
+counts every (token, layer) pair run: ``n * (c + 1) + k * (L - c - 1)`` with a pass,
+``head * L`` without.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from kvcmas.methods.relaycaching import received_attention
 from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
-SELECTIONS = ("deviation", "attention")
+SELECTIONS = ("deviation", "attention", "head")
 SCORED = ("value", "key")
 
 
@@ -94,6 +98,8 @@ def repair_span(
         raise ValueError("the span to repair must be the last thing placed in the cache")
     head = max(0, min(head, n))
     extra = max(0, min(extra, n - head))
+    if select == "head":  # the budget lengthens the head: nothing to score
+        head, extra = head + extra, 0
     device = cache.device
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     rows = torch.arange(start, start + n, device=device)
