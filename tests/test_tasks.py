@@ -343,6 +343,27 @@ def test_merge_split_runs_recomputes_agreement_against_nonshared():
     assert "gsm8k" not in s["cacheblend"]
 
 
+def test_merge_keeps_each_parts_method_options_per_label():
+    """Parts run with other options (graded KVCMAS beside default CacheBlend) merge; each label
+    keeps only the options its own part gave and its method takes, and the table says so."""
+    a = _part({"nonshared": {"mmlu": ["A", "B"]}, "cacheblend": {"mmlu": ["A", "C"]}})
+    b = _part({"kvcmas": {"mmlu": ["A", "C"]}})
+    a["setup"]["method_params"] = {"ratio": "0.15"}
+    b["setup"]["method_params"] = {"repair_max": "0.1", "ratio": "0.3"}  # ratio: not KVCMAS's
+    merged = acc_merge.merge_reports([a, b])
+    assert merged["setup"]["label_options"] == {
+        "cacheblend": {"ratio": "0.15"},
+        "kvcmas": {"repair_max": "0.1"},
+    }
+    assert "method_params" not in merged["setup"]
+    assert merged["summary"]["kvcmas"]["mmlu"]["agreement"] == 0.5
+    table = acc_report.markdown_table(merged)
+    given = "cacheblend ratio=0.15; kvcmas repair_max=0.1."
+    assert f"options set (the rest at their defaults): {given}" in table
+    again = acc_merge.merge_reports([merged])  # a merged report merges again unchanged
+    assert again["setup"]["label_options"] == merged["setup"]["label_options"]
+
+
 def test_merge_refuses_parts_that_do_not_fit():
     a = _part({"nonshared": {"mmlu": ["A", "B"]}})
     with pytest.raises(UsageError, match="none of the merged runs holds NonShared"):

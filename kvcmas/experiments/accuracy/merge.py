@@ -1,9 +1,10 @@
 """Merging the parts of a split accuracy run (methods run in separate processes) into one.
 
-The parts must share model, dtype, item counts, workflows and method parameters; one must
-hold NonShared, against which agreement and the TTFT / latency / compute ratios are
-recomputed. A label present in two parts for the same benchmark is an error rather than a
-silent overwrite.
+The parts must share model, dtype, item counts and workflows; one must hold NonShared, against
+which agreement and the TTFT / latency / compute ratios are recomputed. Method options may
+differ between parts (KVCMAS with graded repair in one part, CacheBlend at its defaults in
+another): each label keeps the options its own part gave it, and the table states them. A
+label present in two parts for the same benchmark is an error rather than a silent overwrite.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from kvcmas.errors import UsageError
 from kvcmas.eval.tasks import TASKS
 from kvcmas.experiments.accuracy.runs import add_task_ratios, agreement_figures, mark_agreement
 from kvcmas.experiments.compare import NOISE_FLOOR
-from kvcmas.methods import METHODS
+from kvcmas.methods import METHODS, method_class
 
-SAME_SETUP = ("model", "dtype", "decoding", "method_params", "fidelity")
+SAME_SETUP = ("model", "dtype", "decoding", "fidelity")
 
 
 def check_parts_fit(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, dict]]:
@@ -63,6 +64,23 @@ def collect_runs(reports: list[dict[str, Any]]) -> tuple[dict, dict]:
     return {k: summary[k] for k in order}, {k: items[k] for k in order}
 
 
+def label_options(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per label, the method options its run was given (only the options its method takes):
+    a merged report keeps them per label; a single run's flags went to every method."""
+    setup = report["setup"]
+    if "label_options" in setup:
+        return setup["label_options"]
+    given = setup.get("method_params") or {}
+    out = {}
+    for label in report["summary"]:
+        method = "nonshared" if label == NOISE_FLOOR else label
+        taken = method_class(method).Config.option_names() if method in METHODS else ()
+        options = {k: v for k, v in given.items() if k in taken}
+        if options:
+            out[label] = options
+    return out
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from the parts of a split run."""
     sizes, workflows = check_parts_fit(reports)
@@ -74,6 +92,10 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     setup["noise_floor"] = NOISE_FLOOR if NOISE_FLOOR in summary else None
     setup["machine"] = "; ".join(dict.fromkeys(r["setup"]["machine"] for r in reports))
     setup["merged_from"] = len(reports)
+    setup.pop("method_params", None)  # per part; kept per label instead
+    setup["label_options"] = {
+        label: options for r in reports for label, options in label_options(r).items()
+    }
     for label, per_task in items.items():
         for task, records in per_task.items():
             base = items["nonshared"].get(task)

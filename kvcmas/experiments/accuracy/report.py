@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.eval.summary import wilson_interval
+from kvcmas.experiments.accuracy.merge import label_options
 from kvcmas.experiments.accuracy.plan import TITLES
 from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
 from kvcmas.experiments.common import write_results
@@ -72,6 +73,13 @@ def markdown_table(report: dict[str, Any]) -> str:
             acc = f"{m['accuracy']:.3f} ({m['correct']}/{n}) [{_interval(m['correct'], n)}]"
             cells.append(f"{acc} | {agree}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    options = label_options(report)
+    if options:
+        given = "; ".join(
+            f"{label} " + ", ".join(f"{k}={v}" for k, v in o.items())
+            for label, o in options.items()
+        )
+        lines += ["", f"Method options set (the rest at their defaults): {given}."]
     lines += efficiency_table(report, tasks)
     if s["fidelity"]:
         lines += fidelity_table(report, tasks)
