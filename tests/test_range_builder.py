@@ -13,7 +13,7 @@ import torch
 
 from kvcmas.chat import Segment
 from kvcmas.methods import make_method
-from kvcmas.methods.base import Hop, SharedSegment
+from kvcmas.methods.base import Hop, HopBuild, SharedSegment
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.range_builder import RangePlan, SourceRef, SpanPiece, build_range, read_context
 from tests.test_baselines import OTHER_PREFIX, PREFIX, SHARED, TAIL, ids, source_kv
@@ -97,6 +97,34 @@ def test_range_equals_the_method_on_kvcmas_own_cache(model, method):
     torch.testing.assert_close(v, expected.v[:, :, start:end], rtol=1e-5, atol=1e-6)
     if method == "fullshared":  # reused rows: the source's, re-rotated, never recomputed
         assert records[1].decision == "reuse" and records[1].served_tokens == len(SHARED)
+
+
+def test_graphflow_range_equals_its_own_hop_once_its_path_has_a_residual(model):
+    """GraphFlow's first hop of a path prefills densely and records the residual; the next
+    builds the context-free base plus that residual. Both in the connector equal the runner's."""
+    prompt = PREFIX + MID + SHARED + TAIL
+    start, span_start = len(PREFIX), len(PREFIX + MID)
+    end = span_start + len(SHARED)
+    layers, blocks = paged_layers(model), list(range(12))
+    write_context(layers, blocks, dense(model, prompt), start)
+    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
+    served, own = (make_method("graphflow", residual_topk=4) for _ in range(2))
+    shared = SharedSegment("a", "input", SHARED)
+    shared.record("a", source_kv(model))
+    hop = Hop("b", "s", 0, [Segment(PREFIX), Segment(MID), Segment(SHARED, "a")], {"a": shared})
+    decisions = []
+    for _ in range(2):
+        records = build_range(span_plan(prompt, start, end, span_start), served, model, layers,
+                              reader(saved))
+        expected = dense(model, PREFIX)
+        own_records, _ = own.build_segments(hop, model, expected)
+        own.after_hop(hop, HopBuild(expected, None, own_records))
+        k, v = range_of(layers, blocks, start, end)
+        torch.testing.assert_close(k, expected.k[:, :, start:end], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, expected.v[:, :, start:end], rtol=1e-5, atol=1e-6)
+        decisions.append((records[1].decision, records[1].details))
+    assert decisions[0] == ("dense", {"records_residual": True})
+    assert decisions[1] == ("reuse", {"base": "cached", "residual_tokens": 4})
 
 
 def test_recomputing_the_whole_span_is_dense(model):

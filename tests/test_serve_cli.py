@@ -55,7 +55,7 @@ def no_model(monkeypatch):
         (["--method", "kvcmass"], "--method 'kvcmass' is not served: there is no such method"),
         (["--method", "droidspeak"], "'droidspeak' is not served: it needs hidden states"),
         (["--method", "relaycaching"], "'relaycaching' is not served: it needs hidden states"),
-        (["--method", "graphflow"], "'graphflow' is not served: it is outside the connector's"),
+        (["--method", "graphflow", "--residual-topk", "-1"], "residual_topk must be >= 0"),
         (["--method", "kvcmas", "--tau", "-1"], "tau must be >= 0"),
         (["--method", "cacheblend", "--tau", "0.5"], "cacheblend"),
         (["--method", "exact", "--tau", "0.5"], "--method exact takes no options, got tau"),

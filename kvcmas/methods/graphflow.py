@@ -97,13 +97,14 @@ class GraphFlow(Method):
         held = [r.nbytes() for r in self.residuals.values()]
         return sum(held) + sum(b.nbytes() for b in self._bases.values())
 
-    def build(self, hop, model, cache):
+    def build_segments(self, hop, model, cache):
+        # Here rather than in build: the serving connector builds its ranges through this.
         if hop.session != self._session:
             self._bases.clear()
             self._session = hop.session
         self._model = model
         self._pending.clear()
-        return super().build(hop, model, cache)
+        return super().build_segments(hop, model, cache)
 
     def base(self, slot: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, bool]:
         """This request's context-free base of ``tokens``; whether it was computed just now."""

@@ -32,6 +32,7 @@ DEFAULT_NAMESPACES = 64
 
 CONNECTOR_METHODS = (
     "exact", "dense", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
+    "graphflow",
 )  # fmt: skip
 
 

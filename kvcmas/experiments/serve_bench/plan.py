@@ -48,6 +48,7 @@ METHODS = {
         ServedMethod("kvcomm-v10", "kvcomm", "kvcomm", {"pool_size": 10}),
         ServedMethod("cacheblend", "cacheblend", "cacheblend"),
         ServedMethod("headrecompute", "headrecompute", "headrecompute"),
+        ServedMethod("graphflow", "graphflow", "graphflow"),
     )
 }
 BASELINE = "nonshared"
