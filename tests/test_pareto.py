@@ -16,7 +16,13 @@ from kvcmas.experiments.pareto.plan import (
     check_args,
     plan_points,
 )
-from kvcmas.experiments.pareto.report import frontier, frontiers
+from kvcmas.experiments.pareto.report import (
+    add_frontiers,
+    frontier,
+    frontiers,
+    headline_against,
+    markdown,
+)
 
 
 def test_frontier_keeps_exactly_the_undominated_points():
@@ -35,6 +41,47 @@ def test_frontiers_are_per_method():
         {"method": "b", "label": "b1", "x": 1.0, "first_token_kl": 0.2},
     ]
     assert frontiers(rows, "x") == {"a": ["a1"], "b": ["b1"]}
+
+
+def _pt(method, label, x, kl):
+    return {"method": method, "label": label, "x": x, "first_token_kl": kl}
+
+
+def test_kvcmas_is_on_or_above_a_method_only_where_it_covers_every_point():
+    rows = [
+        _pt("nonshared", "nonshared", 1.0, 0.0),
+        _pt("kvcmas", "k1", 3.0, 0.01),
+        _pt("kvcmas", "k2", 2.0, 0.001),
+        _pt("headrecompute", "h1", 3.0, 0.01),  # matched exactly by k1: covered
+        _pt("headrecompute", "h2", 1.5, 0.0005),  # closer than any KVCMAS point
+        _pt("cacheblend", "c1", 1.0, 0.01),
+        _pt("fullshared", "fullshared", 10.0, 0.3),  # faster than any KVCMAS point
+        _pt("nonshared-bf16", "nonshared-bf16", 1.0, 0.002),  # the noise floor: no method
+        _pt("droidspeak", "d1", None, 0.0),  # not timed: nothing to cover
+    ]
+    assert headline_against(rows, "x") == {
+        "headrecompute": ["h2"], "cacheblend": [], "fullshared": ["fullshared"], "droidspeak": []
+    }
+    assert headline_against([r for r in rows if r["method"] != "kvcmas"], "x") == {}
+
+
+def test_the_table_states_where_kvcmas_is_not_on_or_above():
+    rows = [
+        {**_pt("kvcmas", "k1", 3.0, 0.01), "e2e_speedup": 1.5},
+        {**_pt("headrecompute", "h1", 4.0, 0.01), "e2e_speedup": 1.2},
+    ]
+    for r in rows:
+        r["ttft_speedup_later"] = r.pop("x")
+        r.update(rho_later=0.9, recompute_later=0.1, compute_ratio=0.8, continuation_kl=None,
+                 final_agreement=1.0)  # fmt: skip
+    setup = {"agents": 4, "source": "mmlu", "output_tokens": 32, "measured_requests": 4,
+             "warmup_requests": 2, "model": "m", "dtype": "bf16", "machine": "test cpu",
+             "torch": "x"}  # fmt: skip
+    results = {"setup": setup, "sizes": [{"size": 64, "points": rows}]}
+    add_frontiers(results)
+    text = markdown(results)
+    assert "on TTFT speedup, hops 2+ and KL: headrecompute not covered: h1." in text
+    assert "on end-to-end speedup and KL: headrecompute on or above." in text
 
 
 def test_plan_points_nonshared_first_within_the_point_cap():

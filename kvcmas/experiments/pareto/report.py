@@ -3,7 +3,9 @@
 A method's frontier is its points that no other point of the same method beats on both axes
 (at least as fast and at most as far from NonShared, strictly better on one). Speed is the
 TTFT speedup of hops 2+ over NonShared (and, in a second panel, the end-to-end speedup);
-distance is the first-token KL against fp32 NonShared.
+distance is the first-token KL against fp32 NonShared. Method A is on or above method B where
+every point of B has a point of A at least as fast and at most as far; the report says, per
+size and axis, which of each other method's points KVCMAS's points do not cover.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from typing import Any
 
 from kvcmas.experiments import common
 from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.pareto.plan import NOISE_FLOOR
 
 AXES = (("ttft_speedup_later", "TTFT speedup, hops 2+"), ("e2e_speedup", "end-to-end speedup"))
 DISTANCE = "first_token_kl"
+HEADLINE = "kvcmas"
+REFERENCES = ("nonshared", NOISE_FLOOR)  # the exact reference and the noise floor: not methods
 
 
 def frontier(points: Sequence[tuple[float | None, float | None]]) -> list[int]:
@@ -45,9 +50,46 @@ def frontiers(rows: list[dict[str, Any]], axis: str) -> dict[str, list[str]]:
     return out
 
 
+def _placed(rows: list[dict[str, Any]], axis: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r[axis] is not None and r[DISTANCE] is not None]
+
+
+def uncovered(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], axis: str) -> list[str]:
+    """Labels of ``theirs`` that no point of ``mine`` matches, at least as fast on ``axis`` and
+    at most as far; an empty list means ``mine`` is on or above ``theirs``."""
+    pts = [(r[axis], r[DISTANCE]) for r in _placed(mine, axis)]
+    return [
+        r["label"]
+        for r in _placed(theirs, axis)
+        if not any(x >= r[axis] and y <= r[DISTANCE] for x, y in pts)
+    ]
+
+
+def headline_against(rows: list[dict[str, Any]], axis: str) -> dict[str, list[str]]:
+    """Per other method (references aside): its points KVCMAS's points do not cover."""
+    mine = [r for r in rows if r["method"] == HEADLINE]
+    if not _placed(mine, axis):
+        return {}
+    others = dict.fromkeys(r["method"] for r in rows if r["method"] not in (HEADLINE, *REFERENCES))
+    return {m: uncovered(mine, [r for r in rows if r["method"] == m], axis) for m in others}
+
+
 def add_frontiers(results: dict[str, Any]) -> None:
     for size in results["sizes"]:
         size["frontiers"] = {axis: frontiers(size["points"], axis) for axis, _ in AXES}
+        size["kvcmas_against"] = {axis: headline_against(size["points"], axis) for axis, _ in AXES}
+
+
+def _against_lines(size: dict[str, Any]) -> list[str]:
+    lines = []
+    for axis, name in AXES:
+        verdicts = [
+            f"{m} {'on or above' if not left else 'not covered: ' + ', '.join(left)}"
+            for m, left in size.get("kvcmas_against", {}).get(axis, {}).items()
+        ]
+        if verdicts:
+            lines.append(f"* KVCMAS against each method on {name} and KL: {'; '.join(verdicts)}.")
+    return [""] + lines if lines else []
 
 
 COLUMNS = (
@@ -88,6 +130,7 @@ def markdown(results: dict[str, Any]) -> str:
         on = {lb for labels in size["frontiers"][AXES[0][0]].values() for lb in labels}
         lines += ["", f"## N = {size['size']} tokens", "", COLUMNS, "|---" * 10 + "|"]
         lines += [_row(r, on) for r in size["points"]]
+        lines += _against_lines(size)
     return "\n".join(lines) + "\n"
 
 
