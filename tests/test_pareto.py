@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -22,6 +23,7 @@ from kvcmas.experiments.pareto.report import (
     frontiers,
     headline_against,
     markdown,
+    within_floor,
 )
 
 
@@ -65,6 +67,19 @@ def test_kvcmas_is_on_or_above_a_method_only_where_it_covers_every_point():
     assert headline_against([r for r in rows if r["method"] != "kvcmas"], "x") == {}
 
 
+def test_the_calibration_rule_takes_the_fastest_point_within_the_noise_floor():
+    rows = [
+        _pt("nonshared", "nonshared", 1.0, 0.0),
+        _pt("nonshared-bf16", "nonshared-bf16", 1.0, 0.002),
+        _pt("kvcmas", "k-fast", 4.0, 0.01),  # too far
+        _pt("kvcmas", "k-ok", 3.0, 0.002),  # at the floor: within
+        _pt("kvcmas", "k-slow", 2.0, 0.0001),
+        _pt("fullshared", "fullshared", 10.0, 0.3),  # never within
+    ]
+    assert within_floor(rows, "x") == {"kvcmas": "k-ok"}
+    assert within_floor([r for r in rows if r["label"] != "nonshared-bf16"], "x") == {}
+
+
 def test_the_table_states_where_kvcmas_is_not_on_or_above():
     rows = [
         {**_pt("kvcmas", "k1", 3.0, 0.01), "e2e_speedup": 1.5},
@@ -82,6 +97,40 @@ def test_the_table_states_where_kvcmas_is_not_on_or_above():
     text = markdown(results)
     assert "on TTFT speedup, hops 2+ and KL: headrecompute not covered: h1." in text
     assert "on end-to-end speedup and KL: headrecompute on or above." in text
+
+
+def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
+    from kvcmas.experiments import pareto
+
+    rows = [
+        {**_pt("kvcmas", "k1", 3.0, 0.01), "e2e_speedup": 1.5},
+        {**_pt("headrecompute", "h1", 4.0, 0.01), "e2e_speedup": 1.2},
+    ]
+    for r in rows:
+        r["ttft_speedup_later"] = r.pop("x")
+        r.update(rho_later=0.9, recompute_later=0.1, compute_ratio=0.8, continuation_kl=None,
+                 final_agreement=1.0)  # fmt: skip
+    setup = {"agents": 4, "source": "mmlu", "output_tokens": 32, "measured_requests": 4,
+             "warmup_requests": 2, "model": "m", "dtype": "bf16", "machine": "test cpu",
+             "torch": "x"}  # fmt: skip
+    (tmp_path / "results.json").write_text(
+        json.dumps({"setup": setup, "sizes": [{"size": 64, "points": rows}]})
+    )
+    args = parse("--rerender", "--out", str(tmp_path))
+    assert pareto.run(args) == 0
+    assert "headrecompute not covered: h1" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "pareto_64.png").is_file()
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["sizes"][0]["kvcmas_against"]["e2e_speedup"] == {"headrecompute": []}
+    with pytest.raises(UsageError, match="no results.json"):
+        pareto.run(parse("--rerender", "--out", str(tmp_path / "none")))
+
+
+def test_split_selects_the_documents_source_split():
+    assert parse("--out", "x").split == "test"
+    assert parse("--split", "validation", "--out", "x").split == "validation"
+    with pytest.raises(SystemExit):
+        parse("--split", "train", "--out", "x")
 
 
 def test_plan_points_nonshared_first_within_the_point_cap():

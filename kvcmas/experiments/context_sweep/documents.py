@@ -43,8 +43,8 @@ def documents(tokenizer: Any, texts: list[str], n_tokens: int, count: int) -> li
     return docs
 
 
-def source_texts(source: str) -> list[str]:
-    """The questions of a dataset's test split (prepared on first use)."""
+def source_texts(source: str, split: str = "test") -> list[str]:
+    """The questions of a dataset's split (prepared on first use)."""
     from kvcmas.eval.requests import load_requests
 
-    return [r["query"] for r in load_requests(source, None, split="test")]
+    return [r["query"] for r in load_requests(source, None, split=split)]

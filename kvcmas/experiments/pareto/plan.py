@@ -24,6 +24,7 @@ from kvcmas.methods import make_method
 
 NOISE_FLOOR = "nonshared-bf16"
 MAX_POINTS = 6
+SPLITS = ("test", "validation")  # disjoint: a knob chosen on one is reported on the other
 
 # Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets
 # the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default.
@@ -128,8 +129,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests (stateful methods)")
     p.add_argument("--measure", type=int, default=8, help="measured requests per size")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
+    p.add_argument(
+        "--split", choices=SPLITS, default="test",
+        help="the source's split: choose knobs on 'validation' (calibration), report on 'test'",
+    )  # fmt: skip
     p.add_argument("--no-timing", action="store_true", help="fidelity pass only")
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 point")
+    p.add_argument(
+        "--rerender", action="store_true",
+        help="run nothing: rewrite --out's table and plots from its results.json",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     add_model_args(p)
     p.set_defaults(dtype="bf16")  # the timing pass; fidelity is always fp32

@@ -74,10 +74,28 @@ def headline_against(rows: list[dict[str, Any]], axis: str) -> dict[str, list[st
     return {m: uncovered(mine, [r for r in rows if r["method"] == m], axis) for m in others}
 
 
+def within_floor(rows: list[dict[str, Any]], axis: str) -> dict[str, str]:
+    """Per method: its fastest point on ``axis`` whose first-token KL is at most the noise
+    floor's (the rule that picks a default on the calibration split); no entry where no point
+    is within it, nothing without a noise floor."""
+    floor = next((r for r in rows if r["label"] == NOISE_FLOOR), None)
+    if floor is None or floor[DISTANCE] is None:
+        return {}
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] not in REFERENCES):
+        ok = [r for r in _placed(rows, axis) if r["method"] == method]
+        ok = [r for r in ok if r[DISTANCE] <= floor[DISTANCE]]
+        if ok:
+            out[method] = max(ok, key=lambda r: r[axis])["label"]
+    return out
+
+
 def add_frontiers(results: dict[str, Any]) -> None:
     for size in results["sizes"]:
-        size["frontiers"] = {axis: frontiers(size["points"], axis) for axis, _ in AXES}
-        size["kvcmas_against"] = {axis: headline_against(size["points"], axis) for axis, _ in AXES}
+        rows = size["points"]
+        size["frontiers"] = {axis: frontiers(rows, axis) for axis, _ in AXES}
+        size["kvcmas_against"] = {axis: headline_against(rows, axis) for axis, _ in AXES}
+        size["within_floor"] = {axis: within_floor(rows, axis) for axis, _ in AXES}
 
 
 def _against_lines(size: dict[str, Any]) -> list[str]:
@@ -89,6 +107,10 @@ def _against_lines(size: dict[str, Any]) -> list[str]:
         ]
         if verdicts:
             lines.append(f"* KVCMAS against each method on {name} and KL: {'; '.join(verdicts)}.")
+    chosen = size.get("within_floor", {}).get(AXES[0][0], {})
+    if chosen:
+        picks = "; ".join(f"{m}: {label}" for m, label in chosen.items())
+        lines.append(f"* Fastest point (TTFT 2+) within the noise floor's first-token KL: {picks}.")
     return [""] + lines if lines else []
 
 

@@ -105,7 +105,7 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     workflow = trace_workflow(args.agents, args.output_tokens)
     overhead = overhead_tokens(reference.tokenizer, workflow)
     sizes, capped = cap_sizes(args.sizes, reference.config.max_position - overhead)
-    texts = source_texts(args.source)
+    texts = source_texts(args.source, args.split)
     count = args.warmup + args.measure
     all_docs = {s: documents(reference.tokenizer, texts, s, count) for s in sizes}
     bf16 = None if args.no_noise_floor else load_model(args.model, "bf16", args.device)
@@ -127,6 +127,7 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             reference,
             f"fidelity fp32, timing {'none' if args.no_timing else args.dtype}",
             **trace_fields(args, sizes),
+            split=args.split,
         ),
         "capped": {str(k): v for k, v in capped.items()},
         "sizes": by_size,
