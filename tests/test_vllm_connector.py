@@ -731,7 +731,7 @@ def dumped_kv(server, rid: str):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("method", ["fullshared", "kvcmas"])
+@pytest.mark.parametrize("method", ["fullshared", "kvcmas", "graphflow"])
 def test_connector_kv_equals_kvcmas_run_hop_by_hop(server, method):
     """After a warmed stream (pools populated, reuse asserted), the KV the connector left in
     vLLM's blocks for every hop (read back through the layout module when the request is
