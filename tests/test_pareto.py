@@ -80,7 +80,8 @@ def test_the_calibration_rule_takes_the_fastest_point_within_the_noise_floor():
     assert within_floor([r for r in rows if r["label"] != "nonshared-bf16"], "x") == {}
 
 
-def test_the_table_states_where_kvcmas_is_not_on_or_above():
+def _two_point_results() -> dict:
+    """A timed run at one size: KVCMAS slower than head recompute on TTFT, faster end to end."""
     rows = [
         {**_pt("kvcmas", "k1", 3.0, 0.01), "e2e_speedup": 1.5},
         {**_pt("headrecompute", "h1", 4.0, 0.01), "e2e_speedup": 1.2},
@@ -92,7 +93,11 @@ def test_the_table_states_where_kvcmas_is_not_on_or_above():
     setup = {"agents": 4, "source": "mmlu", "output_tokens": 32, "measured_requests": 4,
              "warmup_requests": 2, "model": "m", "dtype": "bf16", "machine": "test cpu",
              "torch": "x"}  # fmt: skip
-    results = {"setup": setup, "sizes": [{"size": 64, "points": rows}]}
+    return {"setup": setup, "sizes": [{"size": 64, "points": rows}]}
+
+
+def test_the_table_states_where_kvcmas_is_not_on_or_above():
+    results = _two_point_results()
     add_frontiers(results)
     text = markdown(results)
     assert "on TTFT speedup, hops 2+ and KL: headrecompute not covered: h1." in text
@@ -102,20 +107,7 @@ def test_the_table_states_where_kvcmas_is_not_on_or_above():
 def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
     from kvcmas.experiments import pareto
 
-    rows = [
-        {**_pt("kvcmas", "k1", 3.0, 0.01), "e2e_speedup": 1.5},
-        {**_pt("headrecompute", "h1", 4.0, 0.01), "e2e_speedup": 1.2},
-    ]
-    for r in rows:
-        r["ttft_speedup_later"] = r.pop("x")
-        r.update(rho_later=0.9, recompute_later=0.1, compute_ratio=0.8, continuation_kl=None,
-                 final_agreement=1.0)  # fmt: skip
-    setup = {"agents": 4, "source": "mmlu", "output_tokens": 32, "measured_requests": 4,
-             "warmup_requests": 2, "model": "m", "dtype": "bf16", "machine": "test cpu",
-             "torch": "x"}  # fmt: skip
-    (tmp_path / "results.json").write_text(
-        json.dumps({"setup": setup, "sizes": [{"size": 64, "points": rows}]})
-    )
+    (tmp_path / "results.json").write_text(json.dumps(_two_point_results()))
     args = parse("--rerender", "--out", str(tmp_path))
     assert pareto.run(args) == 0
     assert "headrecompute not covered: h1" in (tmp_path / "table.md").read_text()

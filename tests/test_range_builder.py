@@ -74,27 +74,40 @@ def test_context_is_read_back_bitwise(model):
     assert torch.equal(back.v[:, :, :40], cache.v[:, :, :40])
 
 
+def one_span_range(model):
+    """A prompt with one span of SHARED after MID, its context already in vLLM's blocks, and
+    the span's source saved from another prefix: (plan, paged layers, store reader)."""
+    prompt = PREFIX + MID + SHARED + TAIL
+    start, span_start = len(PREFIX), len(PREFIX + MID)
+    layers = paged_layers(model)
+    write_context(layers, list(range(12)), dense(model, prompt), start)
+    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
+    return span_plan(prompt, start, span_start + len(SHARED), span_start), layers, reader(saved)
+
+
+def runner_hop(model) -> Hop:
+    """The same hop as the runner sees it: SHARED as slot "a", recorded from its source."""
+    shared = SharedSegment("a", "input", SHARED)
+    shared.record("a", source_kv(model))
+    return Hop("b", "s", 0, [Segment(PREFIX), Segment(MID), Segment(SHARED, "a")], {"a": shared})
+
+
+def assert_range_is(layers, plan, expected):
+    k, v = range_of(layers, plan.block_ids, plan.start, plan.end)
+    torch.testing.assert_close(k, expected.k[:, :, plan.start : plan.end], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, expected.v[:, :, plan.start : plan.end], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["fullshared", "cacheblend", "kvcmas"])
 def test_range_equals_the_method_on_kvcmas_own_cache(model, method):
     """The connector's hop is the runner's hop: same segments, same source, same KV."""
-    prompt = PREFIX + MID + SHARED + TAIL
-    start, span_start = len(PREFIX), len(PREFIX + MID)
-    end = span_start + len(SHARED)
-    layers, blocks = paged_layers(model), list(range(12))
-    write_context(layers, blocks, dense(model, prompt), start)
-    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
-    records = build_range(span_plan(prompt, start, end, span_start), make_method(method),
-                          model, layers, reader(saved))
+    plan, layers, read = one_span_range(model)
+    records = build_range(plan, make_method(method), model, layers, read)
     assert [r.slot for r in records] == [None, "a"]
 
     expected = dense(model, PREFIX)
-    shared = SharedSegment("a", "input", SHARED)
-    shared.record("a", source_kv(model))
-    hop = Hop("b", "s", 0, [Segment(PREFIX), Segment(MID), Segment(SHARED, "a")], {"a": shared})
-    make_method(method).build_segments(hop, model, expected)
-    k, v = range_of(layers, blocks, start, end)
-    torch.testing.assert_close(k, expected.k[:, :, start:end], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(v, expected.v[:, :, start:end], rtol=1e-5, atol=1e-6)
+    make_method(method).build_segments(runner_hop(model), model, expected)
+    assert_range_is(layers, plan, expected)
     if method == "fullshared":  # reused rows: the source's, re-rotated, never recomputed
         assert records[1].decision == "reuse" and records[1].served_tokens == len(SHARED)
 
@@ -102,26 +115,16 @@ def test_range_equals_the_method_on_kvcmas_own_cache(model, method):
 def test_graphflow_range_equals_its_own_hop_once_its_path_has_a_residual(model):
     """GraphFlow's first hop of a path prefills densely and records the residual; the next
     builds the context-free base plus that residual. Both in the connector equal the runner's."""
-    prompt = PREFIX + MID + SHARED + TAIL
-    start, span_start = len(PREFIX), len(PREFIX + MID)
-    end = span_start + len(SHARED)
-    layers, blocks = paged_layers(model), list(range(12))
-    write_context(layers, blocks, dense(model, prompt), start)
-    saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
+    plan, layers, read = one_span_range(model)
     served, own = (make_method("graphflow", residual_topk=4) for _ in range(2))
-    shared = SharedSegment("a", "input", SHARED)
-    shared.record("a", source_kv(model))
-    hop = Hop("b", "s", 0, [Segment(PREFIX), Segment(MID), Segment(SHARED, "a")], {"a": shared})
+    hop = runner_hop(model)
     decisions = []
     for _ in range(2):
-        records = build_range(span_plan(prompt, start, end, span_start), served, model, layers,
-                              reader(saved))
+        records = build_range(plan, served, model, layers, read)
         expected = dense(model, PREFIX)
         own_records, _ = own.build_segments(hop, model, expected)
         own.after_hop(hop, HopBuild(expected, None, own_records))
-        k, v = range_of(layers, blocks, start, end)
-        torch.testing.assert_close(k, expected.k[:, :, start:end], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v, expected.v[:, :, start:end], rtol=1e-5, atol=1e-6)
+        assert_range_is(layers, plan, expected)
         decisions.append((records[1].decision, records[1].details))
     assert decisions[0] == ("dense", {"records_residual": True})
     assert decisions[1] == ("reuse", {"base": "cached", "residual_tokens": 4})

@@ -221,9 +221,17 @@ def test_budget_zero_is_kvcmas_without_repair(model):
 
 
 @pytest.mark.device
-def test_repairing_the_whole_span_is_nonshared(model):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"repair_head": 100},  # a head longer than the span
+        # a head one short and any budget above 0: head selection's extra token completes it
+        {"repair_head": QUERY_LEN - 1, "repair_select": "head"},
+    ],
+)
+def test_repairing_the_whole_span_is_nonshared(model, options):
     qs = queries(4)
-    graded = make_method("kvcmas", tau=2.0, min_anchors=2, repair_max=0.1, repair_head=100)
+    graded = make_method("kvcmas", tau=2.0, min_anchors=2, repair_max=0.1, **options)
     pairs = zip(run_stream(graded, model, qs), run_stream(NonShared(), model, qs), strict=True)
     for got, want in pairs:
         n = want.cache.length
@@ -263,24 +271,6 @@ def test_graded_head_repair_spends_its_budget_on_the_head(model):
     k = head + fraction_count(method.config.repair_budget(rec.entropy), QUERY_LEN)
     assert rec.decision == "partial" and rec.details["selected"] == k < QUERY_LEN
     assert rec.computed_pairs == k * n_layers and rec.served_tokens == QUERY_LEN - k
-
-
-@pytest.mark.device
-def test_graded_head_repair_of_the_whole_span_is_nonshared(model):
-    """A head one short of the span and any budget above 0: the head selection's extra token
-    completes the span, so the hops are NonShared's."""
-    qs = queries(4)
-    graded = make_method(
-        "kvcmas", tau=2.0, min_anchors=2, repair_max=0.1, repair_head=QUERY_LEN - 1,
-        repair_select="head",
-    )  # fmt: skip
-    pairs = zip(run_stream(graded, model, qs), run_stream(NonShared(), model, qs), strict=True)
-    for got, want in pairs:
-        n = want.cache.length
-        close(got.cache.k[:, :, :n], want.cache.k[:, :, :n])
-        close(got.cache.v[:, :, :n], want.cache.v[:, :, :n])
-        close(got.last_logits, want.last_logits)
-    assert query_record(got).decision == "dense" and query_record(got).served_tokens == 0
 
 
 def test_budget_grows_with_entropy_up_to_repair_max():
