@@ -83,8 +83,10 @@ def within_floor(rows: list[dict[str, Any]], axis: str) -> dict[str, str]:
         return {}
     out = {}
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] not in REFERENCES):
-        ok = [r for r in _placed(rows, axis) if r["method"] == method]
-        ok = [r for r in ok if r[DISTANCE] <= floor[DISTANCE]]
+        ok = [
+            r for r in _placed(rows, axis)
+            if r["method"] == method and r[DISTANCE] <= floor[DISTANCE]
+        ]  # fmt: skip
         if ok:
             out[method] = max(ok, key=lambda r: r[axis])["label"]
     return out
