@@ -278,6 +278,7 @@ def test_bench_serve_refuses_bad_arguments_before_starting_a_server(
 
 def test_bench_serve_parses_capacity_and_method_options(tmp_path):
     from kvcmas.experiments.serve_bench.plan import served_methods
+    from kvcmas.methods.kvcmas import LONG_CONTEXT
 
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "serve", "--out", str(tmp_path), "--capacity",
@@ -288,7 +289,8 @@ def test_bench_serve_parses_capacity_and_method_options(tmp_path):
     assert [m.name for m in methods] == ["nonshared", "kvcomm", "kvcmas-nochain"]
     nochain = methods[2]
     assert (nochain.server_method, nochain.request_method) == ("kvcmas", "kvcmas")
-    assert nochain.options == {"chain": False, "tau": "0.5"}
+    # The long-context point, non-chained, with the given tau over its own.
+    assert nochain.options == {**LONG_CONTEXT, "chain": False, "tau": "0.5"}
     assert methods[0].plain and not methods[1].plain
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--out", "x", "--capacity", "512:0.1"])

@@ -21,21 +21,24 @@ from kvcmas.experiments.args import add_model_args
 from kvcmas.experiments.common import choice_list, int_list
 from kvcmas.experiments.context_sweep.plan import ROLES
 from kvcmas.methods import make_method
+from kvcmas.methods.kvcmas import LONG_CONTEXT
 
 NOISE_FLOOR = "nonshared-bf16"
 MAX_POINTS = 6
 SPLITS = ("test", "validation")  # disjoint: a knob chosen on one is reported on the other
 
 # Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets
-# the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default.
-# Ordered so that fewer --max-points keep round 1's default, a mid budget and the largest.
+# the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default,
+# then the long-context point and a shorter head (head selection), then deviation scoring.
+# Ordered so that fewer --max-points keep round 1's default, a head point and the largest.
 KNOBS: dict[str, list[dict[str, Any]]] = {
     "nonshared": [{}],
     "fullshared": [{}],
     "kvcomm": [{}],
     "kvcmas": [
         {"tau": 0.995, "repair_max": 0.0},
-        {"tau": 1.0, "repair_max": 0.05},
+        LONG_CONTEXT,
+        {**LONG_CONTEXT, "repair_max": 0.05, "repair_head": 32},
         {"tau": 1.0, "repair_max": 0.1},
         {"tau": 1.0, "repair_max": 0.25},
         {"tau": 1.0, "repair_max": 0.5},

@@ -10,6 +10,7 @@ from kvcmas.errors import UsageError
 from kvcmas.experiments.args import add_model_args
 from kvcmas.experiments.common import float_list, int_list, parse_list
 from kvcmas.experiments.engine_run import PLAIN
+from kvcmas.methods.kvcmas import LONG_CONTEXT
 from kvcmas.serve.launch import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_STORE_BYTES,
@@ -40,9 +41,10 @@ METHODS = {
         # connector never acts on them); the reference of every ratio and the capacity.
         ServedMethod("nonshared", "exact", PLAIN),
         ServedMethod("fullshared", "fullshared", "fullshared"),
-        ServedMethod("kvcmas", "kvcmas", "kvcmas"),
+        # Long documents are this bench's workload: KVCMAS at its long-context point.
+        ServedMethod("kvcmas", "kvcmas", "kvcmas", LONG_CONTEXT),
         # Non-chained: each span's base is a context-free reference prefill, as KVCOMM's.
-        ServedMethod("kvcmas-nochain", "kvcmas", "kvcmas", {"chain": False}),
+        ServedMethod("kvcmas-nochain", "kvcmas", "kvcmas", {**LONG_CONTEXT, "chain": False}),
         ServedMethod("kvcomm", "kvcomm", "kvcomm"),  # its own V = 20
         # KVCOMM at KVCMAS's V = 10: anchor-pool bytes compared at equal V.
         ServedMethod("kvcomm-v10", "kvcomm", "kvcomm", {"pool_size": 10}),
