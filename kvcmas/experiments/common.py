@@ -135,14 +135,19 @@ def write_results(out: Path, results: dict[str, Any], table: str) -> None:
     (out / "table.md").write_text(table)
 
 
-def finish(out_dir, results: dict[str, Any], log, markdown: Callable, plot: Callable) -> int:
-    """The common end of an experiment: stamp wall time, write JSON, table and plots, print."""
-    results["wall_s"] = log.elapsed
+def render(out_dir, results: dict[str, Any], markdown: Callable, plot: Callable) -> None:
+    """Write a results dict's JSON, table and plots to ``out_dir`` and print the table."""
     out = Path(out_dir)
     write_results(out, results, markdown(results))
     plot(results, out)
-    log(f"wrote {out}/results.json, table.md and plots")
     print(markdown(results))
+
+
+def finish(out_dir, results: dict[str, Any], log, markdown: Callable, plot: Callable) -> int:
+    """The common end of an experiment: stamp wall time, write JSON, table and plots, print."""
+    results["wall_s"] = log.elapsed
+    render(out_dir, results, markdown, plot)
+    log(f"wrote {out_dir}/results.json, table.md and plots")
     return 0
 
 

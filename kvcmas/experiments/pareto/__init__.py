@@ -38,9 +38,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--rerender: no results.json in {out}")
         results = json.loads(path.read_text())
         add_frontiers(results)
-        common.write_results(out, results, markdown(results))
-        plot(results, out)
-        print(markdown(results))
+        common.render(out, results, markdown, plot)
         return 0
     log = common.Progress("pareto")
     results = pareto(args, log)

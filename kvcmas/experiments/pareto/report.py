@@ -24,16 +24,18 @@ HEADLINE = "kvcmas"
 REFERENCES = ("nonshared", NOISE_FLOOR)  # the exact reference and the noise floor: not methods
 
 
+def as_good(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Point ``a`` (speed, distance) is at least as fast as ``b`` and at most as far."""
+    return a[0] >= b[0] and a[1] <= b[1]
+
+
 def frontier(points: Sequence[tuple[float | None, float | None]]) -> list[int]:
     """Indices of the points (speed: higher is better, distance: lower is better) that no
     other point dominates, fastest first; points missing a coordinate are never on it."""
     ok = [i for i, (x, y) in enumerate(points) if x is not None and y is not None]
     keep = []
     for i in ok:
-        xi, yi = points[i]
-        beaten = any(
-            points[j][0] >= xi and points[j][1] <= yi and points[j] != points[i] for j in ok
-        )
+        beaten = any(as_good(points[j], points[i]) and points[j] != points[i] for j in ok)
         if not beaten:
             keep.append(i)
     return sorted(keep, key=lambda i: -points[i][0])
@@ -50,6 +52,11 @@ def frontiers(rows: list[dict[str, Any]], axis: str) -> dict[str, list[str]]:
     return out
 
 
+def _methods(rows: list[dict[str, Any]]) -> list[str]:
+    """The methods of ``rows`` in order, the references (NonShared, the noise floor) aside."""
+    return [m for m in dict.fromkeys(r["method"] for r in rows) if m not in REFERENCES]
+
+
 def _placed(rows: list[dict[str, Any]], axis: str) -> list[dict[str, Any]]:
     return [r for r in rows if r[axis] is not None and r[DISTANCE] is not None]
 
@@ -61,7 +68,7 @@ def uncovered(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], axis: st
     return [
         r["label"]
         for r in _placed(theirs, axis)
-        if not any(x >= r[axis] and y <= r[DISTANCE] for x, y in pts)
+        if not any(as_good(p, (r[axis], r[DISTANCE])) for p in pts)
     ]
 
 
@@ -70,7 +77,7 @@ def headline_against(rows: list[dict[str, Any]], axis: str) -> dict[str, list[st
     mine = [r for r in rows if r["method"] == HEADLINE]
     if not _placed(mine, axis):
         return {}
-    others = dict.fromkeys(r["method"] for r in rows if r["method"] not in (HEADLINE, *REFERENCES))
+    others = [m for m in _methods(rows) if m != HEADLINE]
     return {m: uncovered(mine, [r for r in rows if r["method"] == m], axis) for m in others}
 
 
@@ -82,7 +89,7 @@ def within_floor(rows: list[dict[str, Any]], axis: str) -> dict[str, str]:
     if floor is None or floor[DISTANCE] is None:
         return {}
     out = {}
-    for method in dict.fromkeys(r["method"] for r in rows if r["method"] not in REFERENCES):
+    for method in _methods(rows):
         ok = [
             r for r in _placed(rows, axis)
             if r["method"] == method and r[DISTANCE] <= floor[DISTANCE]
