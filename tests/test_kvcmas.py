@@ -10,6 +10,7 @@ import torch
 from kvcmas.methods import make_method
 from kvcmas.methods.base import Hop, SharedSegment, standalone_prefill
 from kvcmas.methods.nonshared import NonShared
+from tests.conftest import ours_from_hf
 from tests.hops import run_hop, shared_query
 
 PREFIX_A, PREFIX_B = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14]
@@ -77,6 +78,24 @@ def test_anchor_from_the_same_content_reproduces_the_dense_cache(tiny_pair):
             _, fs = two_agents(full, model, q, 0)
             fs_err = (fs.cache.k[:, :, :n] - dense.cache.k[:, :, :n]).norm()
             assert 0 < err * dense.cache.k[:, :, :n].norm() < fs_err
+
+
+def test_correction_in_a_bf16_cache_stays_bf16_and_still_corrects(tiny_pair):
+    """The corrected span is formed in the source's dtype (no fp32 copy): in bf16 a full-rank
+    anchor of the same content still brings the reused cache to the dense one, far closer
+    than FullShared's, and nothing in the cache is promoted."""
+    hf, _ = tiny_pair
+    model = ours_from_hf(hf, dtype=torch.bfloat16)
+    q = torch.randint(30, 128, (14,)).tolist()
+    kv = make_method("kvcmas", tau=2.0, min_anchors=1, rank=0, base_rank=0)
+    _, dense = two_agents(kv, model, q, 0)
+    _, reused = two_agents(kv, model, q, 1)
+    _, fs = two_agents(make_method("fullshared"), model, q, 0)
+    assert record(reused).decision == "reuse" and reused.cache.k.dtype == torch.bfloat16
+    n = dense.cache.length
+    ref = dense.cache.k[:, :, :n].float()
+    err = (reused.cache.k[:, :, :n].float() - ref).norm()
+    assert err < 0.1 * (fs.cache.k[:, :, :n].float() - ref).norm()
 
 
 def test_gate_needs_min_anchors_and_records_entropy(tiny_pair):

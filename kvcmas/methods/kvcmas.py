@@ -183,8 +183,10 @@ class KVCMAS(Method):
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
             ck, cv = pool.correction(match, len(seg))
+            # In the source's dtype: the sum is formed in fp32 and rounded once, so a bf16
+            # cache pays for no fp32 copy of the span and no fp32 rotation when it is placed.
             heads = source.k.shape[1]
-            k, v = source.k.float().clone(), source.v.float().clone()
+            k, v = source.k.clone(), source.v.clone()
             k[1:] += from_matrices(ck, heads)
             v[1:] += from_matrices(cv, heads)
             pool.count_uses(match)
