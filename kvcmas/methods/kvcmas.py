@@ -183,8 +183,8 @@ class KVCMAS(Method):
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
             ck, cv = pool.correction(match, len(seg))
-            # In the source's dtype: the sum is formed in fp32 and rounded once, so a bf16
-            # cache pays for no fp32 copy of the span and no fp32 rotation when it is placed.
+            # In the source's dtype: the sum is formed in fp32 and rounded once, with no fp32
+            # copy of the span (fp32 sources: unchanged bit for bit; bf16 TTFT: within noise).
             heads = source.k.shape[1]
             k, v = source.k.clone(), source.v.clone()
             k[1:] += from_matrices(ck, heads)
