@@ -147,3 +147,54 @@ def test_unsupported_architectures_are_refused_by_name(change, message):
     hf.update(change)
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows, cache_length, kind",
+    [
+        (range(0, 40), 40, "causal"),  # a prefill from position 0
+        (range(10, 40), 40, "padded"),  # a prefill after a short cached context
+        (range(34, 40), 40, "mask"),  # a short prefill after a long context
+        (range(39, 40), 40, "none"),  # one decoded row
+        (range(8, 20), 40, "padded"),  # a span's head in front of the rest of the span
+        (range(30, 33), 40, "mask"),  # a short head after a long context, more span behind it
+        ([3, 9, 10, 25], 40, "mask"),  # scattered rows (selective recomputation)
+    ],
+)
+def test_attention_plans_equal_the_explicit_causal_mask(tiny_pair, dtype, rows, cache_length,
+                                                        kind):
+    """Every shortcut of :func:`attention_plan` (keys past the last row not read, zero rows
+    padded in front for SDPA's causal flag) attends exactly as the causal mask over the whole
+    cache does; positions past the rows hold junk that no row may see."""
+    import torch.nn.functional as F
+
+    from kvcmas.model.transformer import attention_plan
+
+    hf, _ = tiny_pair
+    model = ours_from_hf(hf, dtype)
+    c = model.config
+    cache = model.new_cache(cache_length)
+    cache.extend_to(cache_length)
+    cache.k.normal_()
+    cache.v.normal_()
+    positions = torch.tensor(list(rows))
+    q = torch.randn(c.n_heads, len(positions), c.head_dim).to(dtype)
+    plan = attention_plan(positions, cache.length)
+    shape = {"causal": plan.causal and not plan.pad, "padded": plan.pad > 0,
+             "mask": plan.mask is not None, "none": plan.mask is None and not plan.causal}
+    assert shape[kind] and plan.n_keys == int(positions.max()) + 1
+    mask = torch.arange(cache_length)[None, :] <= positions[:, None]
+    ref = F.scaled_dot_product_attention(
+        q[None], cache.k[0][None], cache.v[0][None], attn_mask=mask, enable_gqa=True
+    )[0].transpose(0, 1).reshape(len(positions), -1)
+    got = model._attend(q, cache, 0, plan)
+    torch.testing.assert_close(got, ref, atol=1e-6 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_attention_plan_refuses_rows_past_the_cache():
+    from kvcmas.model.transformer import attention_plan
+
+    with pytest.raises(ValueError, match="past the cache"):
+        attention_plan(torch.arange(5, 12), 10)

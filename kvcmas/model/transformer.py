@@ -140,35 +140,18 @@ class Transformer:
         cos, sin = rope if rope is not None else cos_sin(self.inv_freq, positions, hidden.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
-    @staticmethod
-    def attention_mask(positions: torch.Tensor, n_keys: int) -> tuple[torch.Tensor | None, bool]:
-        """(mask, is_causal) for rows at ``positions`` over ``n_keys`` cached keys.
-
-        Rows that are the cache's contiguous tail need no explicit mask: SDPA's causal flag
-        when they are the whole cache, nothing for one decoded row. Any other rows get the
-        exact causal mask by absolute position (key position <= query position). Built once
-        per forward: the same for every layer, and one host read of the positions.
-        """
-        t = len(positions)
-        first, last = positions[[0, -1]].tolist()
-        if first == n_keys - t and last == n_keys - 1:
-            if t == n_keys:
-                return None, True
-            if t == 1:
-                return None, False
-        return torch.arange(n_keys, device=positions.device)[None, :] <= positions[:, None], False
-
-    def _attend(
-        self, q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | None, causal: bool
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan):
         # A leading batch dim keeps CPU SDPA on its fused kernel (3-D inputs take the math
         # path, ~6x slower at 1K tokens).
-        keys, values = cache.keys(layer)[None], cache.values(layer)[None]
-        q = q[None]
+        keys = cache.k[layer, :, : plan.n_keys][None]
+        values = cache.v[layer, :, : plan.n_keys][None]
+        t = q.shape[1]
+        if plan.pad:
+            q = torch.cat([q.new_zeros(q.shape[0], plan.pad, q.shape[2]), q], dim=1)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
-        )
-        return out[0].transpose(0, 1).reshape(q.shape[2], -1)
+            q[None], keys, values, attn_mask=plan.mask, is_causal=plan.causal, enable_gqa=True
+        )[0, :, plan.pad :]
+        return out.transpose(0, 1).reshape(t, -1)
 
     def run_layer(
         self,
@@ -177,17 +160,17 @@ class Transformer:
         positions: torch.Tensor,
         cache: KVCache,
         rope=None,
-        attention: tuple[torch.Tensor | None, bool] | None = None,
+        attention: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """One decoder layer for rows at ``positions``; writes their K/V into ``cache``.
         ``rope`` and ``attention`` optionally pass the (cos, sin) tables of ``positions`` and
-        their :meth:`attention_mask`, shared by layers."""
+        their :func:`attention_plan`, shared by layers."""
         w = self.layers[layer]
         positions = positions.to(hidden.device)
         q, k, v = self.project_kv(layer, hidden, positions, rope)
         cache.write(layer, positions, k, v)
-        mask, causal = attention or self.attention_mask(positions, cache.length)
-        h = hidden + F.linear(self._attend(q, cache, layer, mask, causal), w.wo)
+        plan = attention or attention_plan(positions, cache.length)
+        h = hidden + F.linear(self._attend(q, cache, layer, plan), w.wo)
         x = self._rms_norm(h, w.ln_mlp)
         act = F.silu(F.linear(x, w.w_gate)).mul_(F.linear(x, w.w_up))
         return h + F.linear(act, w.w_down)
@@ -229,7 +212,7 @@ class Transformer:
         captured = {}
         with torch.inference_mode():
             rope = cos_sin(self.inv_freq, positions, hidden.dtype)
-            attention = self.attention_mask(positions, cache.length)
+            attention = attention_plan(positions, cache.length)
             for layer in layers:
                 if layer in capture:
                     captured[layer] = hidden
@@ -249,3 +232,42 @@ class Transformer:
         start = cache.length
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.forward(ids, positions, cache).logits[-1]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How a forward's rows attend, the same in every layer: to the first ``n_keys`` cached
+    keys, under an explicit boolean ``mask`` or SDPA's ``causal`` flag, after ``pad`` zero
+    query rows put in front (and dropped from the output)."""
+
+    n_keys: int
+    mask: torch.Tensor | None = None
+    causal: bool = False
+    pad: int = 0
+
+
+def attention_plan(positions: torch.Tensor, cache_length: int) -> AttentionPlan:
+    """The exact causal attention (key position <= query position) of rows at ``positions``,
+    at the least cost. Built once per forward, with one host read of the positions.
+
+    * Keys past the last row are masked for every row, so they are not read at all: a span's
+      head repaired in front of the rest of the span attends to the context and the head only.
+    * Rows that are the tail of those keys (a prefill after a cached context) need no mask:
+      SDPA's causal flag aligns rows to keys from the top left, so ``pad`` zero rows in front
+      make the rows the bottom of a square. Worth it while the padding (``n_keys**2/2``
+      scores, half skipped) costs less than the mask (``t * n_keys``): ``2t >= n_keys``.
+      One decoded row needs nothing.
+    * Any other rows (scattered recomputation) get the explicit mask.
+    """
+    t = len(positions)
+    first, last, top = torch.stack([positions[0], positions[-1], positions.max()]).tolist()
+    n_keys = top + 1
+    if n_keys > cache_length:
+        raise ValueError(f"row position {top} is past the cache's {cache_length} positions")
+    if first == n_keys - t and last == top:  # the keys' contiguous tail
+        if t == 1:
+            return AttentionPlan(n_keys)
+        if 2 * t >= n_keys:
+            return AttentionPlan(n_keys, causal=True, pad=n_keys - t)
+    keys = torch.arange(n_keys, device=positions.device)
+    return AttentionPlan(n_keys, mask=keys[None, :] <= positions[:, None])
