@@ -177,7 +177,7 @@ class KVCMAS(Method):
         key = (seg.slot, hop.agent)
         self.background.wait_for(key)  # anchors recorded earlier must be in the pool
         pool = self.pool(*key)
-        xk, xv = as_matrices(source.k)[1:], as_matrices(source.v)[1:]
+        xk, xv = as_matrices(source.k[1:]), as_matrices(source.v[1:])
         match = None
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
@@ -242,7 +242,7 @@ class KVCMAS(Method):
         """Queue the anchors of this hop's dense fallbacks: factorized off the critical path."""
         for key, xk, xv, dense in self._pending:
             pool = self.pool(*key)
-            yk, yv = as_matrices(dense.k)[1:], as_matrices(dense.v)[1:]
+            yk, yv = as_matrices(dense.k[1:]), as_matrices(dense.v[1:])
             self.background.submit(key, partial(pool.add, xk, xv, yk, yv))
         self._pending.clear()
 

@@ -40,7 +40,7 @@ def glue_kv(
         cache.reserve(context.length + len(g))
         model.prefill(list(g), cache)
         kv = SegmentKV.from_cache(cache, context.length, cache.length, model.inv_freq)
-        out.append((as_matrices(kv.k)[1:], as_matrices(kv.v)[1:]))
+        out.append((as_matrices(kv.k[1:]), as_matrices(kv.v[1:])))
     return out
 
 
