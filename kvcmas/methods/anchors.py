@@ -22,13 +22,20 @@ _BATCH_FLOATS = 1 << 22
 
 
 def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
-    """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens."""
-    if x.shape[0] * m * x.shape[2] <= _BATCH_FLOATS:
-        return (x[:, :m] - base.rows(m)).abs().mean(dim=(0, 2))
+    """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens.
+
+    A low-rank base is expanded as ``x - a @ b`` in one fused GEMM, a few layers at a time
+    (at most ``_BATCH_FLOATS`` floats), so a long anchor is never held at full width."""
+    n_layers, d = x.shape[0], x.shape[2]
+    if base.b is None:
+        return (x[:, :m] - base.a[:, :m]).abs().mean(dim=(0, 2))
+    step = max(1, _BATCH_FLOATS // max(1, m * d))
     total = x.new_zeros(m)
-    for layer in range(x.shape[0]):
-        total += (x[layer, :m] - base.layer_rows(layer, m)).abs().mean(dim=1)
-    return total / x.shape[0]
+    for lo in range(0, n_layers, step):
+        hi = min(n_layers, lo + step)
+        gap = torch.baddbmm(x[lo:hi, :m], base.a[lo:hi, :m], base.b[lo:hi], alpha=-1)
+        total += gap.abs_().mean(dim=2).sum(dim=0)
+    return total / n_layers
 
 
 @dataclass
@@ -151,7 +158,18 @@ class AnchorPool:
             self._weighted(match, n, lambda a: a.delta_v),
         )
 
-    def _weighted(self, match: Match, n: int, pick) -> torch.Tensor:
+    def corrected(
+        self, match: Match, x_k: torch.Tensor, x_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``X + correction`` for K and V (``[L-1, n, D]``, float32): the low-rank GEMM adds
+        onto ``X`` as it is formed (one pass, no separate correction tensor); ``X`` is kept."""
+        n = x_k.shape[1]
+        return (
+            self._weighted(match, n, lambda a: a.delta_k, onto=x_k),
+            self._weighted(match, n, lambda a: a.delta_v, onto=x_v),
+        )
+
+    def _weighted(self, match: Match, n: int, pick, onto: torch.Tensor | None = None):
         parts_a, parts_b, full = [], [], None
         for j, i in enumerate(match.anchors):
             f = pick(self.anchors[i])
@@ -166,10 +184,12 @@ class AnchorPool:
             a[:, :m] = w * f.a[:, :m]
             parts_a.append(a)
             parts_b.append(f.b)
+        if onto is not None:
+            full = onto if full is None else onto + full
         if parts_a:
-            low = torch.bmm(torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1))
-            full = low if full is None else full + low
-        return full
+            a_cat, b_cat = torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1)
+            full = torch.bmm(a_cat, b_cat) if full is None else torch.baddbmm(full, a_cat, b_cat)
+        return full.clone() if full is onto else full
 
     def count_uses(self, match: Match) -> None:
         """A use is a reuse on which the anchor's span weight is at least 1/|A|."""

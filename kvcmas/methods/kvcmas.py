@@ -117,6 +117,15 @@ class KVCMASConfig(MethodConfig):
         )
 
 
+def _replace_layers(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+    """``x [L, H, n, Dh]`` with layers 1.. taken from ``matrices [L-1, n, H*Dh]``, in ``x``'s
+    dtype."""
+    out = torch.empty_like(x)
+    out[0] = x[0]
+    out[1:] = from_matrices(matrices, x.shape[1])
+    return out
+
+
 def _rank(value: int | None) -> int | None:
     return None if value is None or value <= 0 else value  # 0: full width
 
@@ -182,13 +191,10 @@ class KVCMAS(Method):
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
-            ck, cv = pool.correction(match, len(seg))
-            # In the source's dtype: the sum is formed in fp32 and rounded once, with no fp32
-            # copy of the span (fp32 sources: unchanged bit for bit; bf16 TTFT: within noise).
-            heads = source.k.shape[1]
-            k, v = source.k.clone(), source.v.clone()
-            k[1:] += from_matrices(ck, heads)
-            v[1:] += from_matrices(cv, heads)
+            # X + correction in fp32 from the matrices the match already made, then rounded
+            # once into the source's dtype (layer 0, never corrected, is copied).
+            ck, cv = pool.corrected(match, xk, xv)
+            k, v = _replace_layers(source.k, ck), _replace_layers(source.v, cv)
             pool.count_uses(match)
             rec = reuse_shared(
                 seg,
