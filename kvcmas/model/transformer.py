@@ -140,7 +140,9 @@ class Transformer:
         cos, sin = rope if rope is not None else cos_sin(self.inv_freq, positions, hidden.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
-    def _attend(self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan):
+    def _attend(
+        self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan
+    ) -> torch.Tensor:
         # A leading batch dim keeps CPU SDPA on its fused kernel (3-D inputs take the math
         # path, ~6x slower at 1K tokens).
         keys = cache.k[layer, :, : plan.n_keys][None]
