@@ -130,19 +130,6 @@ def test_factors_keep_full_width_when_rank_would_not_save_memory():
     assert f.b is None and torch.equal(f.a, m)
 
 
-def test_layer_by_layer_matching_equals_batched(monkeypatch):
-    import kvcmas.methods.anchors as anchors
-
-    pool = make_pool(capacity=3)
-    for i in range(3):
-        add_random(pool, n=12, seed=i)
-    x = torch.randn(2, 12, 8)
-    batched = pool.match(x, x)
-    monkeypatch.setattr(anchors, "_BATCH_FLOATS", 0)  # force the long-span path
-    per_layer = pool.match(x, x)
-    torch.testing.assert_close(per_layer.token_weights, batched.token_weights)
-
-
 @pytest.mark.parametrize("rank", [4, None])
 def test_corrected_is_the_source_plus_the_correction_and_keeps_the_source(rank):
     pool = AnchorPool(PoolConfig(temperature=0.05, delta_rank=rank, base_rank=rank))
@@ -152,7 +139,8 @@ def test_corrected_is_the_source_plus_the_correction_and_keeps_the_source(rank):
     kept = x.clone()
     m = pool.match(x, x)
     ck, cv = pool.correction(m, 10)
-    yk, yv = pool.corrected(m, x, x)
+    yk = torch.stack([layer.clone() for layer in pool.corrected_layers(m, x, "k")])
+    yv = torch.stack([layer.clone() for layer in pool.corrected_layers(m, x, "v")])
     torch.testing.assert_close(yk, x + ck, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(yv, x + cv, atol=1e-6, rtol=1e-6)
     assert torch.equal(x, kept) and yk.data_ptr() != x.data_ptr()
@@ -167,9 +155,11 @@ def test_match_distances_do_not_depend_on_how_many_layers_expand_at_once(monkeyp
     add_random(pool, n=10, seed=0)
     add_random(pool, n=6, seed=1)
     x = torch.randn(2, 10, 8)
-    whole = pool.match(x, x).span_distance
+    whole = pool.match(x, x)
     monkeypatch.setattr(anchors, "_BATCH_FLOATS", 1)  # one layer at a time
-    torch.testing.assert_close(pool.match(x, x).span_distance, whole, atol=1e-6, rtol=1e-6)
+    layers = pool.match(x, x)
+    torch.testing.assert_close(layers.span_distance, whole.span_distance, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(layers.token_weights, whole.token_weights, atol=1e-6, rtol=1e-6)
     a = pool.anchors[1]
     gap = (x[:, :6] - a.base_k.rows(6)).abs().mean(dim=(0, 2)) / x[:, :6].abs().mean((0, 2))
-    torch.testing.assert_close(whole[1], gap.mean(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(whole.span_distance[1], gap.mean(), atol=1e-6, rtol=1e-6)

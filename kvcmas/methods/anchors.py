@@ -10,6 +10,7 @@ softmax over scale-free distances, estimate the new correction. All tensors here
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,11 @@ def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
         gap = torch.baddbmm(x[lo:hi, :m], base.a[lo:hi, :m], base.b[lo:hi], alpha=-1)
         total += gap.abs_().mean(dim=2).sum(dim=0)
     return total / n_layers
+
+
+def _abs_mean(x: torch.Tensor) -> torch.Tensor:
+    """Per-token mean ``|x|`` over layers and channels, without a full-width ``|x|`` copy."""
+    return torch.linalg.vector_norm(x, 1, dim=(0, 2)) / (x.shape[0] * x.shape[2])
 
 
 @dataclass
@@ -130,8 +136,8 @@ class AnchorPool:
             return None
         t_ = self.config.temperature
         # Per-token |X| averaged over layers and channels: the distances' scale.
-        scale_k = x_k.abs().mean(dim=(0, 2)).clamp_min(1e-12)
-        scale_v = x_v.abs().mean(dim=(0, 2)).clamp_min(1e-12)
+        scale_k = _abs_mean(x_k).clamp_min(1e-12)
+        scale_v = _abs_mean(x_v).clamp_min(1e-12)
         dist = x_k.new_full((len(idx), n), float("inf"))
         span = x_k.new_empty(len(idx))
         for j, i in enumerate(idx):
@@ -153,43 +159,49 @@ class AnchorPool:
         ``A`` factors of all anchors are concatenated along the rank axis against the stacked
         ``B`` factors. Tokens no anchor covers get zero correction.
         """
-        return (
-            self._weighted(match, n, lambda a: a.delta_k),
-            self._weighted(match, n, lambda a: a.delta_v),
-        )
+        return self._correction(match, n, "k"), self._correction(match, n, "v")
 
-    def corrected(
-        self, match: Match, x_k: torch.Tensor, x_v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``X + correction`` for K and V (``[L-1, n, D]``, float32): the low-rank GEMM adds
-        onto ``X`` as it is formed (one pass, no separate correction tensor); ``X`` is kept."""
-        n = x_k.shape[1]
-        return (
-            self._weighted(match, n, lambda a: a.delta_k, onto=x_k),
-            self._weighted(match, n, lambda a: a.delta_v, onto=x_v),
-        )
+    def corrected_layers(self, match: Match, x: torch.Tensor, which: str) -> Iterator[torch.Tensor]:
+        """``X + correction`` one layer at a time, ``[n, D]`` float32 in one buffer that each
+        step overwrites (copy what you keep). Per layer the low-rank GEMM adds onto ``X`` in a
+        buffer that stays in cache, so a caller writing the span in its own layout and dtype
+        never makes a full-width float32 copy. ``which`` is "k" or "v"."""
+        full, a_cat, b_cat = self._terms(match, x.shape[1], which)
+        buffer = x.new_empty(x.shape[1:])
+        for layer in range(x.shape[0]):
+            if full is None:
+                buffer.copy_(x[layer])
+            else:
+                torch.add(x[layer], full[layer], out=buffer)
+            if a_cat is not None:
+                buffer.addmm_(a_cat[layer], b_cat[layer])
+            yield buffer
 
-    def _weighted(self, match: Match, n: int, pick, onto: torch.Tensor | None = None):
+    def _correction(self, match: Match, n: int, which: str) -> torch.Tensor:
+        full, a_cat, b_cat = self._terms(match, n, which)
+        if a_cat is None:
+            return full
+        return torch.bmm(a_cat, b_cat) if full is None else torch.baddbmm(full, a_cat, b_cat)
+
+    def _terms(self, match: Match, n: int, which: str):
+        """The weighted correction as (the full-width anchors' sum or None, A, B): the low-rank
+        anchors' token-weighted ``A`` factors concatenated along the rank axis (None if there
+        are none) against their stacked ``B`` factors."""
         parts_a, parts_b, full = [], [], None
         for j, i in enumerate(match.anchors):
-            f = pick(self.anchors[i])
+            f = getattr(self.anchors[i], f"delta_{which}")
             m = min(n, f.length)
             w = match.token_weights[j, :m][None, :, None]
+            weighted = f.a.new_zeros(f.a.shape[0], n, f.a.shape[2])
+            weighted[:, :m] = w * f.a[:, :m]
             if f.b is None:
-                contrib = f.a.new_zeros(f.a.shape[0], n, f.a.shape[2])
-                contrib[:, :m] = w * f.a[:, :m]
-                full = contrib if full is None else full + contrib
-                continue
-            a = f.a.new_zeros(f.a.shape[0], n, f.a.shape[2])
-            a[:, :m] = w * f.a[:, :m]
-            parts_a.append(a)
-            parts_b.append(f.b)
-        if onto is not None:
-            full = onto if full is None else onto + full
-        if parts_a:
-            a_cat, b_cat = torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1)
-            full = torch.bmm(a_cat, b_cat) if full is None else torch.baddbmm(full, a_cat, b_cat)
-        return full.clone() if full is onto else full
+                full = weighted if full is None else full + weighted
+            else:
+                parts_a.append(weighted)
+                parts_b.append(f.b)
+        if not parts_a:
+            return full, None, None
+        return full, torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1)
 
     def count_uses(self, match: Match) -> None:
         """A use is a reuse on which the anchor's span weight is at least 1/|A|."""

@@ -12,13 +12,14 @@ its producer's cache.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
 import torch
 
-from kvcmas.kv.lowrank import as_matrices, from_matrices
+from kvcmas.kv.lowrank import as_matrices
 from kvcmas.kv.segment import SegmentKV
 from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.background import MODES, BackgroundWork
@@ -117,12 +118,14 @@ class KVCMASConfig(MethodConfig):
         )
 
 
-def _replace_layers(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
-    """``x [L, H, n, Dh]`` with layers 1.. taken from ``matrices [L-1, n, H*Dh]``, in ``x``'s
-    dtype."""
+def _with_layers(x: torch.Tensor, layers: Iterator[torch.Tensor]) -> torch.Tensor:
+    """``x [L, H, n, Dh]`` with layers 1.. taken from ``layers`` (``[n, H*Dh]`` each, one at a
+    time), in ``x``'s dtype; layer 0 is copied."""
     out = torch.empty_like(x)
     out[0] = x[0]
-    out[1:] = from_matrices(matrices, x.shape[1])
+    heads = x.shape[1]
+    for layer, m in enumerate(layers, start=1):
+        out[layer].copy_(m.view(m.shape[0], heads, -1).transpose(0, 1))
     return out
 
 
@@ -191,10 +194,10 @@ class KVCMAS(Method):
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
-            # X + correction in fp32 from the matrices the match already made, then rounded
-            # once into the source's dtype (layer 0, never corrected, is copied).
-            ck, cv = pool.corrected(match, xk, xv)
-            k, v = _replace_layers(source.k, ck), _replace_layers(source.v, cv)
+            # X + correction in fp32 from the matrices the match already made, layer by
+            # layer, rounded once into the source's dtype (layer 0, never corrected, is copied).
+            k = _with_layers(source.k, pool.corrected_layers(match, xk, "k"))
+            v = _with_layers(source.v, pool.corrected_layers(match, xv, "v"))
             pool.count_uses(match)
             rec = reuse_shared(
                 seg,
