@@ -20,12 +20,6 @@ def as_matrices(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(n_layers, n, heads * dh).float()
 
 
-def from_matrices(m: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[L, n, H*Dh]`` -> ``[L, H, n, Dh]``."""
-    n_layers, n, d = m.shape
-    return m.reshape(n_layers, n, heads, d // heads).permute(0, 2, 1, 3)
-
-
 @dataclass
 class Factors:
     """``M[l] ≈ a[l] @ b[l]`` for every stored layer; ``b is None`` means ``a`` is ``M`` itself

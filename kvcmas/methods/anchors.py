@@ -22,6 +22,11 @@ from kvcmas.kv.lowrank import Factors, factorize
 _BATCH_FLOATS = 1 << 22
 
 
+def _abs_mean(x: torch.Tensor) -> torch.Tensor:
+    """Per-token mean ``|x|`` over layers and channels, without a full-width ``|x|`` copy."""
+    return torch.linalg.vector_norm(x, 1, dim=(0, 2)) / (x.shape[0] * x.shape[2])
+
+
 def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
     """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens.
 
@@ -29,7 +34,7 @@ def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
     (at most ``_BATCH_FLOATS`` floats), so a long anchor is never held at full width."""
     n_layers, d = x.shape[0], x.shape[2]
     if base.b is None:
-        return (x[:, :m] - base.a[:, :m]).abs().mean(dim=(0, 2))
+        return _abs_mean(x[:, :m] - base.a[:, :m])
     step = max(1, _BATCH_FLOATS // max(1, m * d))
     total = x.new_zeros(m)
     for lo in range(0, n_layers, step):
@@ -37,11 +42,6 @@ def _abs_gap(x: torch.Tensor, base: Factors, m: int) -> torch.Tensor:
         gap = torch.baddbmm(x[lo:hi, :m], base.a[lo:hi, :m], base.b[lo:hi], alpha=-1)
         total += gap.abs_().mean(dim=2).sum(dim=0)
     return total / n_layers
-
-
-def _abs_mean(x: torch.Tensor) -> torch.Tensor:
-    """Per-token mean ``|x|`` over layers and channels, without a full-width ``|x|`` copy."""
-    return torch.linalg.vector_norm(x, 1, dim=(0, 2)) / (x.shape[0] * x.shape[2])
 
 
 @dataclass
