@@ -27,7 +27,12 @@ from kvcmas.experiments.serve_bench.metrics import (
     percentile,
     prometheus_value,
 )
-from kvcmas.experiments.serve_bench.workload import cell_seed, poisson_arrivals, size_documents
+from kvcmas.experiments.serve_bench.workload import (
+    arrivals_within,
+    cell_seed,
+    poisson_arrivals,
+    size_documents,
+)
 from kvcmas.methods.base import ReuseCounts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,8 +169,10 @@ def test_a_cell_stops_sending_at_its_time_limit_and_cancels_after_the_drain():
     # Limit 0.5 s, drain 0.2 s: the session due at 5 s is never sent. Session 0 passes the
     # limit inside hop 2 and is cancelled there at 0.7 s (1 hop kept); session 1 ends hop 1 at
     # 0.6 s, past the limit, and starts no other; session 2 is cancelled inside hop 1.
-    records, wall = asyncio.run(run_cell(runner, requests, [0.0, 0.2, 0.45, 5.0], 0.5, 0.2))
+    arrivals = [0.0, 0.2, 0.45, 5.0]
+    records, wall = asyncio.run(run_cell(runner, requests, arrivals, 0.5, 0.2))
     assert len(records) == 3 and [i for i, _ in runner.started] == [0, 1, 2]
+    assert arrivals_within(arrivals, 0.5) == 3  # what the bench warns of before the cell
     assert [len(r.hops) for r in records] == [1, 1, 0]
     assert runner.cancelled == 2 and not any(r.complete for r in records)
     assert wall == pytest.approx(0.7, abs=0.08)

@@ -32,6 +32,7 @@ from kvcmas.experiments.serve_bench.metrics import SessionRecord, cell_summary, 
 from kvcmas.experiments.serve_bench.plan import BASELINE, METHODS, ServedMethod, served_methods
 from kvcmas.experiments.serve_bench.workload import (
     SizeDocuments,
+    arrivals_within,
     cell_seed,
     check_sizes_fit,
     poisson_arrivals,
@@ -191,6 +192,11 @@ class Bench:
                 n = self.args.sessions
                 arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, load))
                 label = f"{method.name} S={size} load {load:g} ({rate:.3f}/s)"
+                sent = arrivals_within(arrivals, self.args.cell_time_s)
+                if sent < n:  # said up front: a low capacity makes 40 arrivals take long
+                    self.log(f"{label}: the {n} arrivals span {arrivals[-1]:.0f}s, past "
+                             f"--cell-time-s {self.args.cell_time_s:g}: only {sent} will be "
+                             f"sent")  # fmt: skip
                 records, wall, memory, compute = self.cell(
                     base_url, method, namespace,
                     session_requests(docs.cells[load], f"S{size}-x{load:g}"), arrivals, label,

@@ -34,6 +34,11 @@ def poisson_arrivals(rate_per_s: float, count: int, seed: int | str) -> list[flo
     return times
 
 
+def arrivals_within(arrivals: list[float], time_limit_s: float) -> int:
+    """How many of ``arrivals`` a cell with this time limit sends (it sends none later)."""
+    return sum(at <= time_limit_s for at in arrivals)
+
+
 def cell_seed(seed: int, size: int, load: float) -> str:
     """The arrival seed of one (S, load) cell: the same for every method, distinct per cell."""
     return f"{seed}:{size}:{load:g}"
