@@ -178,6 +178,15 @@ def test_a_cell_stops_sending_at_its_time_limit_and_cancels_after_the_drain():
     assert wall == pytest.approx(0.7, abs=0.08)
 
 
+def test_a_cell_refuses_arrivals_that_do_not_match_its_sessions():
+    runner = FakeRunner(hop_s=0.01)
+    with pytest.raises(ValueError, match="ascending"):
+        asyncio.run(run_cell(runner, [{"id": 0}, {"id": 1}], [0.3, 0.1], 1.0, 0.1))
+    with pytest.raises(ValueError, match="2 requests but 1 arrival"):
+        asyncio.run(run_cell(runner, [{"id": 0}, {"id": 1}], [0.0], 1.0, 0.1))
+    assert runner.started == []
+
+
 def test_the_load_generator_refuses_a_remote_server():
     for url in ("http://10.0.0.5:8000/v1", "https://api.openai.com/v1", "http://example.com"):
         with pytest.raises(UsageError, match="only targets a local server"):

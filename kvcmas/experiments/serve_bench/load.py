@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from kvcmas.errors import UsageError
 from kvcmas.experiments.engine_run import AsyncEngineRunner
 from kvcmas.experiments.serve_bench.metrics import SessionRecord, prometheus_value
+from kvcmas.experiments.serve_bench.workload import arrivals_within
 from kvcmas.serve.client import EngineError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -120,6 +121,9 @@ async def run_cell(
     returns the sessions (launched ones only) and the cell's wall time (first arrival to the
     last session's end)."""
     check_local_url(runner.client.base_url)
+    if len(requests) != len(arrivals):
+        raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
+    sent = arrivals_within(arrivals, time_limit_s)
     n_hops = len(runner.workflow.order)
     start = time.perf_counter()
     deadline = start + time_limit_s
@@ -150,9 +154,7 @@ async def run_cell(
     polling = asyncio.create_task(poller.run(stop)) if poller is not None else None
     tasks = []
     try:
-        for i, (request, at) in enumerate(zip(requests, arrivals, strict=True)):
-            if at > time_limit_s:
-                break
+        for i, (request, at) in enumerate(zip(requests[:sent], arrivals[:sent])):
             await asyncio.sleep(max(0.0, at - now()))
             record = SessionRecord(i, at)
             records.append(record)

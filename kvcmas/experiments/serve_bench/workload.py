@@ -10,6 +10,7 @@ reason. Every method replays the same sessions with the same arrival times.
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,12 @@ def poisson_arrivals(rate_per_s: float, count: int, seed: int | str) -> list[flo
 
 
 def arrivals_within(arrivals: list[float], time_limit_s: float) -> int:
-    """How many of ``arrivals`` a cell with this time limit sends (it sends none later)."""
-    return sum(at <= time_limit_s for at in arrivals)
+    """How many of ``arrivals`` (ascending, s from the cell's start) a cell with this time
+    limit sends: those up to the first arrival past it. The cell and the warning before it
+    both count with this."""
+    if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrival times must be in ascending order")
+    return bisect.bisect_right(arrivals, time_limit_s)
 
 
 def cell_seed(seed: int, size: int, load: float) -> str:
