@@ -40,13 +40,15 @@ DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TAU = 0.995
 DEFAULT_REPAIR_SELECT = "deviation"
 
-# The long-document operating point: reuse whenever anchors exist (tau 1) and repair a 64-token
+# The long-document operating point: reuse whenever anchors exist (tau 1) and repair a 128-token
 # head plus up to 2% of the span, scoring nothing. Chosen on MMLU validation documents of 2K
-# tokens by `kvcmas bench pareto --split validation` (the fastest point within the bf16 noise
-# floor's first-token KL) and reported on the test split (RESULTS.md). The class defaults stay
-# round 1's, chosen on the short roster, where a 64-token head would recompute spans whole.
+# tokens with 128-token agent outputs (issue 11's length) by `kvcmas bench pareto --split
+# validation` (the fastest point within the bf16 noise floor's first-token KL) and reported on
+# the test split (RESULTS.md). The head must cover an agent output whole: the correction alone
+# leaves a reused output's tail 17x the floor. The class defaults stay round 1's, chosen on the
+# short roster, where such a head would recompute spans whole.
 LONG_CONTEXT: dict[str, Any] = {
-    "tau": 1.0, "repair_max": 0.02, "repair_head": 64, "repair_select": "head",
+    "tau": 1.0, "repair_max": 0.02, "repair_head": 128, "repair_select": "head",
 }  # fmt: skip
 
 

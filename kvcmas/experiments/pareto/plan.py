@@ -44,7 +44,7 @@ KNOBS: dict[str, list[dict[str, Any]]] = {
         {"tau": 1.0, "repair_max": 0.5},
     ],
     "cacheblend": [{"ratio": r} for r in (0.05, 0.1, 0.15, 0.3, 0.5)],
-    "headrecompute": [{"head_tokens": k} for k in (4, 16, 64, 256)],
+    "headrecompute": [{"head_tokens": k} for k in (4, 16, 64, 128, 256)],
     # DroidSpeak blocks as fractions of the depth: resolved once the model is loaded.
     "droidspeak": [{"block": f} for f in ((0.2, 0.93), (0.3, 0.8), (0.4, 0.7), (0.45, 0.6))],
 }
