@@ -154,7 +154,7 @@ async def run_cell(
     polling = asyncio.create_task(poller.run(stop)) if poller is not None else None
     tasks = []
     try:
-        for i, (request, at) in enumerate(zip(requests[:sent], arrivals[:sent])):
+        for i, (request, at) in enumerate(zip(requests[:sent], arrivals[:sent], strict=True)):
             await asyncio.sleep(max(0.0, at - now()))
             record = SessionRecord(i, at)
             records.append(record)

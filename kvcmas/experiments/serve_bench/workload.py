@@ -11,6 +11,7 @@ reason. Every method replays the same sessions with the same arrival times.
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ def arrivals_within(arrivals: list[float], time_limit_s: float) -> int:
     """How many of ``arrivals`` (ascending, s from the cell's start) a cell with this time
     limit sends: those up to the first arrival past it. The cell and the warning before it
     both count with this."""
-    if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+    if any(b < a for a, b in itertools.pairwise(arrivals)):
         raise ValueError("arrival times must be in ascending order")
     return bisect.bisect_right(arrivals, time_limit_s)
 
