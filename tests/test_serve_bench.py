@@ -429,6 +429,106 @@ def test_report_renders_results_written_before_cpu_and_store_bound_were_recorded
     assert "| 0.100 | 40.0 | - | - | 0.80 |" in table.split("| kvcmas | 2048 | 1 |")[1]
 
 
+# ----------------------------------------------------------------- merged runs
+
+
+def write_part(folder: Path, results: dict, keep) -> str:
+    """``results`` with only the cells ``keep(cell)`` accepts, as a run's folder."""
+    part = {**results, "cells": [c for c in results["cells"] if keep(c)], "wall_s": 600.0}
+    part["capacity"] = {s: c for s, c in results["capacity"].items()
+                        if any(str(x["size"]) == s for x in part["cells"])}  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(part))
+    return str(folder)
+
+
+def test_merged_runs_keep_their_parts_and_draw_sizes_across_them(tmp_path):
+    from kvcmas.experiments.serve_bench.merge import merge_runs, read_parts
+    from kvcmas.experiments.serve_bench.report import markdown, plot, plot_load
+
+    whole = fake_results()
+    small = write_part(tmp_path / "s512", whole, lambda c: c["size"] == 512)
+    longer = fake_results()
+    longer["setup"].update(sessions=40, kv_cache_bytes=3 << 30)
+    big = write_part(tmp_path / "s2048", longer, lambda c: c["size"] == 2048 and c["load"] == 1.0)
+    merged = merge_runs(read_parts([small, big]))
+    assert merged["setup"]["sizes"] == [512, 2048] and merged["setup"]["loads"] == [0.5, 1.0]
+    assert merged["setup"]["sessions"] is None and merged["setup"]["warmup"] == 1
+    assert {c["part"] for c in merged["cells"] if c["size"] == 2048} == {2}
+    assert len(merged["cells"]) == len(whole["cells"]) - 3 and merged["wall_s"] == 1200.0
+    table = markdown(merged)
+    assert "Up to per part (below) sessions" in table and "KV cache per part (below)" in table
+    assert f"| 2 | {big} | 2048 | 1 | kvcmas, kvcmas-nochain, nonshared | 40 | 1 |" in table
+    # Within one part the ratio to plain vLLM stands; the part number closes the row.
+    assert "| kvcmas | 2048 | 1 | 0.200 | 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | 0.25 |" in table
+    assert table.split("| kvcmas | 2048 | 1 |")[1].split("\n")[0].endswith("| 2 |")
+    assert plot_load(merged) == 1.0  # the only load run at both sizes
+    plot(merged, tmp_path / "out")
+    assert (tmp_path / "out" / "ttft_vs_size.png").stat().st_size > 0
+
+
+def test_a_ratio_to_plain_vllm_is_never_taken_across_merged_runs(tmp_path):
+    from kvcmas.experiments.serve_bench.merge import merge_runs, read_parts
+    from kvcmas.experiments.serve_bench.report import markdown
+
+    whole = fake_results()
+    plain = write_part(tmp_path / "plain", whole, lambda c: c["method"] == "nonshared")
+    mine = write_part(tmp_path / "mine", whole, lambda c: c["method"] == "kvcmas")
+    table = markdown(merge_runs(read_parts([plain, mine])))
+    assert "| 4/4 | 1.000 / 1.500 | 0.500 / 1.000 | - |" in table.split("| kvcmas | 2048 | 1 |")[1]
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda r: r["setup"].update(output_tokens=32), "output_tokens 32 != 128"),
+        (lambda r: r["capacity"]["2048"].update(capacity_per_s=0.06), "capacity of 0.06"),
+        (lambda r: r["setup"]["methods"].update(kvcmas={"server_method": "kvcmas",
+                                                        "options": {"tau": 0.5}}),
+         "kvcmas has other server options"),  # fmt: skip
+        (lambda r: None, "in both"),  # the same cells twice
+    ],
+)
+def test_runs_that_do_not_fit_together_are_refused_by_name(tmp_path, spoil, message):
+    from kvcmas.experiments.serve_bench.merge import merge_runs, read_parts
+
+    first = fake_results()
+    first["setup"]["methods"] = {"kvcmas": {"server_method": "kvcmas", "options": {"tau": 1}}}
+    a = write_part(tmp_path / "a", first, lambda c: c["load"] == 0.5)
+    second = json.loads(json.dumps(first))
+    spoil(second)
+    b = write_part(tmp_path / "b", second, lambda c: c["load"] == (0.5 if message == "in both"
+                                                                   else 1.0))  # fmt: skip
+    with pytest.raises(UsageError, match=message):
+        merge_runs(read_parts([a, b]))
+
+
+def test_a_capacity_given_rounded_merges_and_the_searched_record_is_kept(tmp_path):
+    from kvcmas.experiments.serve_bench.merge import merge_runs, read_parts
+
+    searched = fake_results()
+    searched["capacity"]["2048"].update(given=False, capacity_per_s=0.05012, idle_ttft_s=2.0)
+    given = fake_results()
+    a = write_part(tmp_path / "given", given, lambda c: c["load"] == 1.0)
+    b = write_part(tmp_path / "searched", searched, lambda c: c["load"] == 0.5)
+    capacity = merge_runs(read_parts([a, b]))["capacity"]["2048"]
+    assert capacity["given"] is False and capacity["idle_ttft_s"] == 2.0
+
+
+def test_bench_serve_merge_writes_the_report_and_refuses_a_folder_without_a_run(
+    tmp_path, capsys
+):
+    whole = fake_results()
+    a = write_part(tmp_path / "a", whole, lambda c: c["load"] == 0.5)
+    b = write_part(tmp_path / "b", whole, lambda c: c["load"] == 1.0)
+    out = tmp_path / "merged"
+    assert cli.main(["bench", "serve", "--merge", a, b, "--out", str(out)]) == 0
+    assert "## Parts" in (out / "table.md").read_text()
+    assert json.loads((out / "results.json").read_text())["setup"]["parts"][1]["dir"] == b
+    assert cli.main(["bench", "serve", "--merge", a, str(tmp_path), "--out", str(out)]) == 2
+    assert f"no results.json in {tmp_path}" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------- a real server
 
 

@@ -10,7 +10,7 @@ session latency, throughput, reuse of hops 2+, and peak memory.
 
 Pieces: :mod:`.plan` (methods, flags), :mod:`.workload` (documents, arrivals), :mod:`.load`
 (the async load generator), :mod:`.capacity` (the search), :mod:`.metrics`, :mod:`.runs`,
-:mod:`.report`.
+:mod:`.report`, :mod:`.merge` (runs made separately, as one report).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from kvcmas.experiments import common
+from kvcmas.experiments.serve_bench.merge import merge_runs, read_parts
 from kvcmas.experiments.serve_bench.plan import add_arguments, check_args
 from kvcmas.experiments.serve_bench.report import markdown, plot
 
@@ -29,6 +30,9 @@ HELP = "methods under Poisson load on vLLM: TTFT percentiles, throughput, reuse,
 def run(args: argparse.Namespace) -> int:
     from kvcmas.experiments.serve_bench.runs import bench
 
+    if args.merge:
+        common.render(args.out, merge_runs(read_parts(args.merge)), markdown, plot)
+        return 0
     check_args(args)
     log = common.Progress("serve")
     results = bench(args, log)

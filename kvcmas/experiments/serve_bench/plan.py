@@ -149,6 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="merge these runs' results.json into --out (runs nothing; the runs "
+                        "must share the trace and, at each S, plain vLLM's capacity)")  # fmt: skip
     add_model_args(p, device=False)
 
 

@@ -45,6 +45,8 @@ def _ratio(
 ) -> str:
     """``value`` of the cell over plain vLLM's in the same (S, load) cell."""
     base = _cell(results, BASELINE, c["size"], c["load"])
+    if base is not None and base.get("part") != c.get("part"):
+        base = None  # merged runs: ratios only within one run, whose cells share a server's day
     mine = value(c)
     theirs = value(base) if base else None
     return "-" if mine is None or not theirs else f"{mine / theirs:.2f}"
@@ -116,22 +118,52 @@ def pool_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def part_lines(parts: list[dict[str, Any]]) -> list[str]:
+    """A merged report's runs: what each covered and the settings it chose for itself."""
+    lines = [
+        "## Parts", "",
+        "Runs merged into this report (`kvcmas bench serve --merge`), each alone on the machine; "
+        "a cell's ratios to plain vLLM use plain vLLM's cell from the same run only.", "",
+        "| part | run | S | loads | methods | sessions | warm-up | cell time / drain (s) | KV "
+        "cache / store (MiB) | wall (min) |",
+        "|" + "---|" * 10,
+    ]  # fmt: skip
+    for p in parts:
+        wall = "-" if p.get("wall_s") is None else f"{p['wall_s'] / 60:.0f}"
+        store = "-" if p.get("store_bytes") is None else f"{p['store_bytes'] / MIB:.0f}"
+        lines.append(
+            f"| {p['part']} | {p['dir']} | {', '.join(map(str, p['sizes']))} | "
+            f"{', '.join(f'{x:g}' for x in p['loads'])} | {', '.join(p['methods'])} | "
+            f"{p['sessions']} | {p['warmup']} | {p['cell_time_s']:g} / {p['drain_s']:g} | "
+            f"{p['kv_cache_bytes'] / MIB:.0f} / {store} | {wall} |"
+        )
+    machines = list(dict.fromkeys(p["machine"] for p in parts))
+    return lines + ["", f"Machines: {'; '.join(machines)}.", ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["setup"]
     p99 = any(c["ttft_later_s"]["p99"] is not None for c in results["cells"])
     later = "p50 / p95 / p99" if p99 else "p50 / p95"
+    merged = "parts" in s
+
+    def each(key: str, show: Callable[[Any], str] = str) -> str:
+        return "per part (below)" if s.get(key) is None else show(s[key])
+
     lines = [
         "# Serving under load (kvcmas bench serve)", "",
         f"Model {s['model']} ({s['dtype']}), {s['engine']}, KV cache "
-        f"{s['kv_cache_bytes'] / MIB:.0f} MiB"
-        + (f", span store bound {s['store_bytes'] / MIB:.0f} MiB" if "store_bytes" in s else "")
-        + f"; machine {s['machine']}.", "",
+        f"{each('kv_cache_bytes', lambda b: f'{b / MIB:.0f} MiB')}"
+        + (f", span store bound {each('store_bytes', lambda b: f'{b / MIB:.0f} MiB')}"
+           if "store_bytes" in s else "")
+        + f"; machine {each('machine')}.", "",
         f"Trace {s['workflow']}: a chain of {s['agents']} agents, each reading a document of S "
         f"tokens ({s['source']}) and every earlier output, {s['output_tokens']} output tokens "
-        f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {s['sessions']} "
-        f"sessions per cell arrive by a Poisson process (seed {s['seed']}) at load x plain "
-        f"vLLM's capacity (rates below); a cell stops sending after {s['cell_time_s']:g} s. "
-        f"One server per method; warm-up sessions per S: {s['warmup']}. TTFT is the client's "
+        f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {each('sessions')} "
+        f"sessions per cell arrive by a Poisson process (seed {each('seed')}) at load x plain "
+        f"vLLM's capacity (rates below); a cell stops sending after "
+        f"{each('cell_time_s', lambda x: f'{x:g} s')}. "
+        f"One server per method; warm-up sessions per S: {each('warmup')}. TTFT is the client's "
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
         "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
         "Server CPU: user + system seconds of the server's processes (API server, engine core, "
@@ -142,13 +174,16 @@ def markdown(results: dict[str, Any]) -> str:
         "has its own namespace; the store is an LRU bounded by the server's --store-bytes, so "
         "past its bound it evicts earlier sessions instead of growing).", "",
     ]  # fmt: skip
+    if merged:
+        lines += part_lines(s["parts"])
     lines += capacity_lines(results)
     lines += [
         "## Cells", "",
         f"| method | S | load | rate/s | sessions done/sent | TTFT hop 1 p50 / p95 | TTFT hops 2+ "
         f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | server CPU s "
-        "| CPU vs plain | rho | recompute | KV peak | store | pools |",
-        "|" + "---|" * 18,
+        "| CPU vs plain | rho | recompute | KV peak | store | pools |"
+        + (" part |" if merged else ""),
+        "|" + "---|" * (19 if merged else 18),
     ]  # fmt: skip
     for c in results["cells"]:
         m = c["memory"]
@@ -162,6 +197,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"{fmt(c['recompute_later'], '.2f')} | {_mib(m.get('kv_cache_peak_bytes'))} | "
             f"{_mib(m.get('store_bytes_this_size'))} | "
             f"{_mib(m.get('method_state_bytes_this_size'))} |"
+            + (f" {c['part']} |" if merged else "")
         )
     lines += pool_lines(results)
     unlogged = sum(c["unlogged_hops"] for c in results["cells"])
@@ -176,8 +212,12 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot_load(results: dict[str, Any]) -> float:
-    """The load the per-size plots use: 1.0 if run, else the highest."""
-    loads = results["setup"]["loads"]
+    """The load the per-size plots use: of the loads run at every S (merged runs need not
+    share them), 1.0 if there, else the highest; failing any, the highest load run."""
+    at_size = [{c["load"] for c in results["cells"] if c["size"] == size}
+               for size in results["setup"]["sizes"]]  # fmt: skip
+    common = set.intersection(*at_size) if at_size else set()
+    loads = common or set(results["setup"]["loads"])
     return 1.0 if 1.0 in loads else max(loads)
 
 
