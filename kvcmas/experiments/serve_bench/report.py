@@ -46,7 +46,7 @@ def _ratio(
     """``value`` of the cell over plain vLLM's in the same (S, load) cell."""
     base = _cell(results, BASELINE, c["size"], c["load"])
     if base is not None and base.get("part") != c.get("part"):
-        base = None  # merged runs: ratios only within one run, whose cells share a server's day
+        base = None  # merged runs: ratios only within one run (runs differ from run to run)
     mine = value(c)
     theirs = value(base) if base else None
     return "-" if mine is None or not theirs else f"{mine / theirs:.2f}"
@@ -122,8 +122,8 @@ def part_lines(parts: list[dict[str, Any]]) -> list[str]:
     """A merged report's runs: what each covered and the settings it chose for itself."""
     lines = [
         "## Parts", "",
-        "Runs merged into this report (`kvcmas bench serve --merge`), each alone on the machine; "
-        "a cell's ratios to plain vLLM use plain vLLM's cell from the same run only.", "",
+        "Runs merged into this report (`kvcmas bench serve --merge`); a cell's ratios to plain "
+        "vLLM use plain vLLM's cell from the same run only ('-' where that run had none).", "",
         "| part | run | S | loads | methods | sessions | warm-up | cell time / drain (s) | KV "
         "cache / store (MiB) | wall (min) |",
         "|" + "---|" * 10,
@@ -147,8 +147,8 @@ def markdown(results: dict[str, Any]) -> str:
     later = "p50 / p95 / p99" if p99 else "p50 / p95"
     merged = "parts" in s
 
-    def each(key: str, show: Callable[[Any], str] = str) -> str:
-        return "per part (below)" if s.get(key) is None else show(s[key])
+    def each(key: str, show: Callable[[Any], str] = str, differs: str = "per part (below)") -> str:
+        return differs if s.get(key) is None else show(s[key])
 
     lines = [
         "# Serving under load (kvcmas bench serve)", "",
@@ -162,7 +162,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"each (ignore_eos). S: {', '.join(map(str, s['sizes']))}. Up to {each('sessions')} "
         f"sessions per cell arrive by a Poisson process (seed {each('seed')}) at load x plain "
         f"vLLM's capacity (rates below); a cell stops sending after "
-        f"{each('cell_time_s', lambda x: f'{x:g} s')}. "
+        f"{each('cell_time_s', lambda x: f'{x:g} s', 'its time limit (per part, below)')}. "
         f"One server per method; warm-up sessions per S: {each('warmup')}. TTFT is the client's "
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
         "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
