@@ -399,6 +399,18 @@ def test_graphflow_computes_a_base_once_per_request(model, dense_and_full):
     assert shared_record(build(method, model, later)[2]).details["base"] == "computed"
 
 
+def test_graphflow_bases_survive_interleaved_sessions_within_the_bound(model):
+    """Served, a method object sees hops of many sessions in turn. Each session's base is
+    computed once while the bound has room; with bound 0 (`kvcmas run`, sessions one after
+    another) a session switch drops it, so the serving bound is what made GraphFlow reuse."""
+    for max_bytes, kept in ((0, "computed"), (1 << 20, "cached")):
+        method = make_method("graphflow", residual_topk=0)
+        method.session_state.max_bytes = max_bytes
+        for session in ("s0", "s1", "s0"):
+            got = build(method, model, make_hop(model, source_kv(model), session=session))
+        assert shared_record(got[2]).details["base"] == kept
+
+
 def test_graphflow_topk_covering_the_segment_is_dense(model, dense_and_full):
     hop, dense, _ = dense_and_full
     method = make_method("graphflow", residual_topk=len(SHARED))

@@ -172,10 +172,30 @@ def test_reference_prefills_are_keyed_by_content_and_session(tiny_pair):
     assert source("t", first) is not a  # another session recomputes: nothing leaks
 
 
+def test_reference_prefills_survive_interleaved_sessions_within_the_bound(tiny_pair):
+    """The connector interleaves sessions on one method object: with room for them, a
+    session's reference is computed once however many other sessions' hops come between."""
+    _, model = tiny_pair
+    tokens = (5, 6, 7, 8, 9)
+
+    def source(kc, session):
+        hop = Hop("b", session, 1, [], {})
+        return kc.source(hop, SharedSegment("query", "query", tokens), model)[0]
+
+    for max_bytes, kept in ((0, False), (1 << 20, True)):  # kvcmas run's bound, a server's
+        kc = make_method("kvcomm")
+        kc.session_state.max_bytes = max_bytes
+        a = source(kc, "s")
+        source(kc, "t")
+        assert (source(kc, "s") is a) == kept
+        assert kc.memory_bytes() == kc.session_state.nbytes() > 0  # references are counted
+
+
 def test_hidden_states_are_keyed_by_content_and_session():
     from kvcmas.methods.selective import HiddenStore
+    from kvcmas.methods.session_state import SessionState
 
-    store = HiddenStore()
+    store = HiddenStore(SessionState())
     hidden = torch.ones(3, 4)
     store.put("s", (1, 2, 3), 5, hidden)
     assert store.get("s", (1, 2, 3), 5) is hidden

@@ -17,6 +17,7 @@ import torch
 from kvcmas.chat import Segment
 from kvcmas.kv.segment import SegmentKV, place_segment
 from kvcmas.methods.config import MethodConfig
+from kvcmas.methods.session_state import SessionState
 from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
@@ -115,6 +116,8 @@ class Method(ABC):
         if not isinstance(config, self.Config):
             raise TypeError(f"{self.name} takes a {self.Config.__name__}, got {type(config)}")
         self.config = config
+        # Per-session values (reference prefills, bases, hidden states), by session.
+        self.session_state = SessionState()
 
     def params(self) -> dict[str, Any]:
         """The method's parameters, reported with every result."""
@@ -122,7 +125,7 @@ class Method(ABC):
 
     def memory_bytes(self) -> int:
         """Bytes of state the method keeps across hops (anchor pools, saved hidden states)."""
-        return 0
+        return self.session_state.nbytes()
 
     def pool_report(self, n_layers: int, width: int) -> dict[str, int] | None:
         """Anchor-pool bytes (measured and analytic) for methods that keep pools; else None."""
@@ -146,6 +149,7 @@ class Method(ABC):
         """Extend ``cache`` with ``hop.segments[1:]``; returns the records and the logits of the
         last token when the last segment is private text. The serving connector builds a
         range that ends with a shared span this way (the engine computes the rest)."""
+        self.session_state.enter(hop.session)
         records: list[SegmentRecord] = []
         logits = None
         for seg in hop.segments[1:]:

@@ -86,14 +86,11 @@ class DroidSpeak(Method):
         super().__init__(config)
         self._spec = parse_layer_spec(self.config.block, 2, "block")
         self._block: tuple[int, int] | None = None
-        self.hidden_store = HiddenStore()
+        self.hidden_store = HiddenStore(self.session_state)
 
     def params(self) -> dict[str, Any]:
         block = self._block or self._spec
         return {"block": list(block) if block else "default"}
-
-    def memory_bytes(self) -> int:
-        return self.hidden_store.nbytes()
 
     def resolve(self, n_layers: int) -> tuple[int, int]:
         """The block for a model of ``n_layers`` (fixed at the first hop)."""

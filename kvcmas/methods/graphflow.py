@@ -18,11 +18,12 @@ Interpretations (the public description is thin):
   (``after_hop``), off the critical path, like anchor construction. Residuals persist across
   requests (``memory_bytes()`` reports them) and are never refreshed.
 * ``residual_topk=0`` never records: every non-first consumer uses the base alone.
-* The base is computed once per request and segment, by the first hop that needs it (on
-  that hop's critical path, ``n * L`` pairs, decision "partial"); later hops of the request
-  place the same base (0 pairs, decision "reuse"). Bases of the current request are counted
-  in ``memory_bytes()``. A base computed to record a residual (after the first token) is
-  kept the same way.
+* The base is computed once per session and segment, by the first hop that needs it (on
+  that hop's critical path, ``n * L`` pairs, decision "partial"); later hops of the session
+  place the same base (0 pairs, decision "reuse"). Bases are per-session state
+  (:mod:`kvcmas.methods.session_state`: kept while sessions interleave in the connector,
+  within its bound) and counted in ``memory_bytes()``. A base computed to record a residual
+  (after the first token) is kept the same way.
 """
 
 from __future__ import annotations
@@ -88,31 +89,28 @@ class GraphFlow(Method):
         super().__init__(config)
         self.residual_topk = self.config.residual_topk
         self.residuals: dict[tuple[str, str], Residual] = {}
-        self._bases: dict[tuple[str, tuple[int, ...]], SegmentKV] = {}  # this session's
-        self._session: str | None = None
+        # (path, start in the hop's cache, tokens) of residuals to record after the hop
         self._pending: list[tuple[tuple[str, str], int, tuple[int, ...]]] = []
         self._model = None  # the model of the hop being built (for after_hop)
 
     def memory_bytes(self) -> int:
-        held = [r.nbytes() for r in self.residuals.values()]
-        return sum(held) + sum(b.nbytes() for b in self._bases.values())
+        return sum(r.nbytes() for r in self.residuals.values()) + super().memory_bytes()
 
     def build_segments(self, hop, model, cache):
         # Here rather than in build: the serving connector builds its ranges through this.
-        if hop.session != self._session:
-            self._bases.clear()
-            self._session = hop.session
         self._model = model
         self._pending.clear()
         return super().build_segments(hop, model, cache)
 
-    def base(self, slot: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, bool]:
-        """This request's context-free base of ``tokens``; whether it was computed just now."""
-        key = (slot, tokens)
-        fresh = key not in self._bases
-        if fresh:
-            self._bases[key] = standalone_prefill(self._model, tokens)
-        return self._bases[key], fresh
+    def base(self, session: str, slot: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, bool]:
+        """The session's context-free base of ``tokens``; whether it was computed just now."""
+        key = ("base", slot, tokens)
+        base = self.session_state.get(session, key)
+        if base is None:
+            base = standalone_prefill(self._model, tokens)
+            self.session_state.put(session, key, base)
+            return base, True
+        return base, False
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if shared.latest is None:
@@ -124,7 +122,7 @@ class GraphFlow(Method):
             rec = dense_shared(seg, shared, model, cache)
             rec.details = {"records_residual": True}
             return rec
-        base, fresh = self.base(seg.slot, seg.tokens)
+        base, fresh = self.base(hop.session, seg.slot, seg.tokens)
         kv = SegmentKV(base.k.clone(), base.v.clone())
         applied = residual.apply(kv) if residual is not None else 0
         start = place_segment(cache, kv, model.inv_freq)
@@ -143,6 +141,6 @@ class GraphFlow(Method):
         inv_freq = self._model.inv_freq
         for path, start, tokens in self._pending:
             dense = SegmentKV.from_cache(build.cache, start, start + len(tokens), inv_freq)
-            base, _ = self.base(path[0], tokens)
+            base, _ = self.base(hop.session, path[0], tokens)
             self.residuals[path] = top_residual(dense, base, self.residual_topk)
         self._pending.clear()

@@ -150,8 +150,6 @@ class KVCMAS(Method):
         self.pools: dict[tuple[str, str], AnchorPool] = {}
         self.background = BackgroundWork(c.background)
         self._pending: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, SegmentKV]] = []
-        self._references: dict[tuple[int, ...], SegmentKV] = {}  # this session's, by content
-        self._session: str | None = None
 
     def kvcmas_config(self) -> KVCMASConfig:
         """The full option set (KVCOMM fixes the options where its paper differs)."""
@@ -161,7 +159,7 @@ class KVCMAS(Method):
         return self.kvcmas_config().to_json()
 
     def memory_bytes(self) -> int:
-        return sum(p.nbytes() for p in self.pools.values())
+        return sum(p.nbytes() for p in self.pools.values()) + super().memory_bytes()
 
     def pool(self, slot: str, agent: str) -> AnchorPool:
         key = (slot, agent)
@@ -178,11 +176,12 @@ class KVCMAS(Method):
             return shared.latest, shared.latest_agent
         if shared.kind == "agent":
             return shared.origin, shared.origin_agent
-        if hop.session != self._session:  # references never outlive their session
-            self._references, self._session = {}, hop.session
-        if shared.tokens not in self._references:  # a reference prefill on the critical path
-            self._references[shared.tokens] = standalone_prefill(model, shared.tokens)
-        return self._references[shared.tokens], "reference"
+        key = ("reference", shared.tokens)  # by content, within the session
+        reference = self.session_state.get(hop.session, key)
+        if reference is None:  # a reference prefill on the critical path
+            reference = standalone_prefill(model, shared.tokens)
+            self.session_state.put(hop.session, key, reference)
+        return reference, "reference"
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         source, source_agent = self.source(hop, shared, model)

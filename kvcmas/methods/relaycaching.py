@@ -123,7 +123,7 @@ class RelayCaching(Method):
         self._layers: tuple[int, int, int] | None = None
         self.tau_dev = self.config.tau_dev
         self.tau_inf = self.config.tau_inf
-        self.hidden_store = HiddenStore()
+        self.hidden_store = HiddenStore(self.session_state)
 
     def params(self) -> dict[str, Any]:
         layers = self._layers or self._spec
@@ -133,9 +133,6 @@ class RelayCaching(Method):
             "tau_inf": self.tau_inf,
             "attention_queries": self.attention_queries,
         }
-
-    def memory_bytes(self) -> int:
-        return self.hidden_store.nbytes()
 
     def resolve(self, n_layers: int) -> tuple[int, int, int]:
         if self._layers is None:

@@ -16,6 +16,7 @@ import torch
 from kvcmas.chat import Segment
 from kvcmas.kv.segment import place_segment
 from kvcmas.methods.base import Hop, SegmentRecord, SharedSegment
+from kvcmas.methods.session_state import SessionState
 from kvcmas.model.cache import KVCache
 from kvcmas.model.transformer import Transformer
 
@@ -23,34 +24,25 @@ LayerSpec = str | tuple[int, ...] | list[int] | None
 
 
 class HiddenStore:
-    """Saved hidden states of shared segments (DroidSpeak's "E-cache"), for one session.
+    """Saved hidden states of shared segments (DroidSpeak's "E-cache"), per session.
 
     Keyed by content: ``(segment token ids, layer)`` -> the hidden input to ``layer`` of every
     token of that segment, as computed by the hop that produced the cache later hops reuse (the
-    segment's first consumer, or for an agent output its producer while decoding). Only the
-    current session's states are kept: a state is never served to another session.
+    segment's first consumer, or for an agent output its producer while decoding). Kept in the
+    method's :class:`SessionState`: a state is never served to another session.
     """
 
-    def __init__(self) -> None:
-        self._session: str | None = None
-        self._states: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    def __init__(self, state: SessionState) -> None:
+        self._state = state
 
     def put(self, session: str, tokens: tuple[int, ...], layer: int, hidden: torch.Tensor) -> None:
         if hidden.shape[0] != len(tokens):
             raise ValueError(f"hidden state of {hidden.shape[0]} rows for {len(tokens)} tokens")
-        if session != self._session:
-            self._states.clear()
-            self._session = session
-        self._states[(tuple(tokens), layer)] = hidden
+        self._state.put(session, ("hidden", tuple(tokens), layer), hidden)
 
     def get(self, session: str, tokens: tuple[int, ...], layer: int) -> torch.Tensor | None:
         """The saved state of this content in this session, or None."""
-        if session != self._session:
-            return None
-        return self._states.get((tuple(tokens), layer))
-
-    def nbytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self._states.values())
+        return self._state.get(session, ("hidden", tuple(tokens), layer))
 
 
 def parse_layer_spec(value: LayerSpec, parts: int, name: str) -> tuple[int, ...] | None:

@@ -28,10 +28,12 @@ Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_MET
 default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
 ``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``store_bytes`` (bound of
 the span store, default 512 MiB), ``max_namespaces`` (method objects kept, one per namespace
-and method, least recently used dropped; default 64). Env ``KVCMAS_STATS_FILE``: where the
-worker writes its counters as JSON (from startup on, with the method, so a client can check
-what it serves). Anchor pools learn per namespace (tenant): one method object per namespace,
-sharing nothing.
+and method, least recently used dropped; default 64), ``session_state_bytes`` (bound of each
+method object's per-session values, such as KVCOMM's reference prefills and GraphFlow's bases,
+kept for the sessions served most recently while many interleave; default 1 GiB). Env
+``KVCMAS_STATS_FILE``: where the worker writes its counters as JSON (from startup on, with
+the method, so a client can check what it serves). Anchor pools learn per namespace
+(tenant): one method object per namespace, sharing nothing.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvcmas.connector")  # under "vllm": printed by its handlers
 
 DEFAULT_STORE_BYTES = 512 << 20
+DEFAULT_SESSION_STATE_BYTES = 1 << 30
 # Only requests that ran to their end are saved (an aborted one's last step may be unwritten).
 _SAVED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _RECENT = 100  # entries kept in the stats' logs of recent injections and builds
@@ -187,6 +190,12 @@ class KvcmasConnector(KVConnectorBase_V1):
             self._methods = MethodStates(
                 self._make_method, int(extra("max_namespaces", DEFAULT_NAMESPACES))
             )
+            self.session_state_bytes = int(
+                extra("session_state_bytes", DEFAULT_SESSION_STATE_BYTES)
+            )
+            if self.session_state_bytes < 0:
+                raise ValueError("KvcmasConnector: session_state_bytes must be >= 0, "
+                                 f"got {self.session_state_bytes}")
             self._load_errors: set[int] = set()
             self._finished_saving: set[str] = set()
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
@@ -462,7 +471,10 @@ class KvcmasConnector(KVConnectorBase_V1):
         from kvcmas.methods import make_method
 
         options = self.method_options if name == self.method else {}
-        return make_method(method_for(name), options)
+        method = make_method(method_for(name), options)
+        # Sessions interleave here: their per-session values must outlive other sessions' hops.
+        method.session_state.max_bytes = self.session_state_bytes
+        return method
 
     def _model(self):
         if self._loaded is None:
