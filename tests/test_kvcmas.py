@@ -189,6 +189,7 @@ def test_reference_prefills_survive_interleaved_sessions_within_the_bound(tiny_p
         source(kc, "t")
         assert (source(kc, "s") is a) == kept
         assert kc.memory_bytes() == kc.session_state.nbytes() > 0  # references are counted
+        assert kc.pool_report(model.config.n_layers, 8)["pool_bytes"] == 0  # not as pools
 
 
 def test_hidden_states_are_keyed_by_content_and_session():

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcmas.errors import UsageError
 from kvcmas.experiments.machine import machine_description
 from kvcmas.methods.base import Method
 from kvcmas.model.loader import LoadedModel
@@ -133,6 +134,14 @@ def write_results(out: Path, results: dict[str, Any], table: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "table.md").write_text(table)
+
+
+def read_results(folder: str | Path) -> tuple[Path, dict[str, Any]]:
+    """An earlier run's ``results.json`` in ``folder``: its path and content."""
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise UsageError(f"no results.json in {folder}")
+    return path, json.loads(path.read_text())
 
 
 def render(out_dir, results: dict[str, Any], markdown: Callable, plot: Callable) -> None:

@@ -158,8 +158,11 @@ class KVCMAS(Method):
     def params(self) -> dict[str, Any]:
         return self.kvcmas_config().to_json()
 
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes() for p in self.pools.values())
+
     def memory_bytes(self) -> int:
-        return sum(p.nbytes() for p in self.pools.values()) + super().memory_bytes()
+        return self.pool_bytes() + super().memory_bytes()  # + the session's references
 
     def pool(self, slot: str, agent: str) -> AnchorPool:
         key = (slot, agent)
@@ -269,7 +272,7 @@ class KVCMAS(Method):
                 for r in (c.base_rank, c.delta_rank):
                     low += per_layer * (r * (n + width) if r else n * width)
         return {
-            "pool_bytes": self.memory_bytes(),
+            "pool_bytes": self.pool_bytes(),
             "analytic_full_bytes": full,
             "analytic_lowrank_bytes": low,
             "anchors": sum(len(p.anchors) for p in self.pools.values()),

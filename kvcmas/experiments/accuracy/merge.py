@@ -9,13 +9,12 @@ label present in two parts for the same benchmark is an error rather than a sile
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from kvcmas.errors import UsageError
 from kvcmas.eval.tasks import TASKS
 from kvcmas.experiments.accuracy.runs import add_task_ratios, agreement_figures, mark_agreement
+from kvcmas.experiments.common import read_results
 from kvcmas.experiments.compare import NOISE_FLOOR
 from kvcmas.methods import METHODS, method_class
 
@@ -114,10 +113,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 def read_parts(dirs: list[str]) -> list[dict[str, Any]]:
     reports = []
     for d in dirs:
-        path = Path(d) / "results.json"
-        if not path.is_file():
-            raise UsageError(f"no results.json in {d}")
-        report = json.loads(path.read_text())
+        path, report = read_results(d)
         if report.get("setup", {}).get("experiment") != "accuracy":
             raise UsageError(f"{path} is not an accuracy run")
         reports.append(report)

@@ -15,10 +15,8 @@ Pieces: :mod:`.plan` (knob points, flags), :mod:`.runs` (the two passes), :mod:`
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from kvcmas.errors import UsageError
 from kvcmas.experiments import common
 from kvcmas.experiments.pareto.plan import add_arguments, check_args, smoke_args
 from kvcmas.experiments.pareto.report import add_frontiers, markdown, plot
@@ -33,10 +31,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.rerender:  # an earlier run's figures, with this version's frontiers and table
         out = Path(args.out)
-        path = out / "results.json"
-        if not path.is_file():
-            raise UsageError(f"--rerender: no results.json in {out}")
-        results = json.loads(path.read_text())
+        _, results = common.read_results(out)
         add_frontiers(results)
         common.render(out, results, markdown, plot)
         return 0

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from kvcmas.errors import UsageError
+from kvcmas.experiments.common import read_results
 
 SAME_TRACE = (
     "model", "dtype", "engine", "instances", "workflow", "agents", "output_tokens", "source",
@@ -36,10 +36,7 @@ def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
         raise UsageError("--merge needs at least one results folder")
     parts = []
     for d in dirs:
-        path = Path(d) / "results.json"
-        if not path.is_file():
-            raise UsageError(f"no results.json in {d}")
-        results = json.loads(path.read_text())
+        path, results = read_results(d)
         if not {"setup", "capacity", "cells"} <= results.keys():
             raise UsageError(f"{path} is not a `kvcmas bench serve` run")
         parts.append((str(d), results))

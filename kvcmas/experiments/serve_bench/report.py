@@ -170,9 +170,11 @@ def markdown(results: dict[str, Any]) -> str:
         "router) over the whole cell, and that over plain vLLM's in the same cell (the same "
         "sessions are sent to both: compare where both completed them all). "
         "Memory (MiB): vLLM's KV blocks in use at the cell's peak; the connector's span store "
-        "and anchor pools at the cell's peak less what they held before this S began (each S "
-        "has its own namespace; the store is an LRU bounded by the server's --store-bytes, so "
-        "past its bound it evicts earlier sessions instead of growing).", "",
+        "and the method's state (anchor pools, and per-session reference prefills or bases, "
+        "bounded by the connector's session_state_bytes) at the cell's peak less what they "
+        "held before this S began (each S has its own namespace; the store is an LRU bounded "
+        "by the server's --store-bytes, so past its bound it evicts earlier sessions instead "
+        "of growing).", "",
     ]  # fmt: skip
     if merged:
         lines += part_lines(s["parts"])
@@ -181,7 +183,7 @@ def markdown(results: dict[str, Any]) -> str:
         "## Cells", "",
         f"| method | S | load | rate/s | sessions done/sent | TTFT hop 1 p50 / p95 | TTFT hops 2+ "
         f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | server CPU s "
-        "| CPU vs plain | rho | recompute | KV peak | store | pools |"
+        "| CPU vs plain | rho | recompute | KV peak | store | method state |"
         + (" part |" if merged else ""),
         "|" + "---|" * (19 if merged else 18),
     ]  # fmt: skip
@@ -291,6 +293,6 @@ def plot(results: dict[str, Any], out: Path) -> None:
         [(f"{label} (MiB)", _series(results, methods, sizes, mib(key), at))
          for key, label in (("kv_cache_peak_bytes", "vLLM KV cache in use, peak"),
                             ("store_bytes_this_size", "span store, peak added at S"),
-                            ("method_state_bytes_this_size", "anchor pools, peak added at S"))],
+                            ("method_state_bytes_this_size", "method state, peak added at S"))],
         "S (document tokens)", f"{title}; load {load:g}", logx=True,
     )  # fmt: skip
