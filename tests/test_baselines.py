@@ -411,6 +411,41 @@ def test_graphflow_bases_survive_interleaved_sessions_within_the_bound(model):
         assert shared_record(got[2]).details["base"] == kept
 
 
+def test_kept_standalone_prefill_extends_the_longest_kept_prefix(model):
+    """A prefill is causal: built on a kept prefix it equals the prefill of the whole span,
+    with only the new tokens computed; the prefix it covers is no longer kept separately,
+    and a shorter span is served from inside it."""
+    from kvcmas.methods.base import kept_standalone_prefill
+    from kvcmas.methods.session_state import SessionState
+
+    state = SessionState()
+    head, _ = kept_standalone_prefill(state, "s", "base", model, SHARED[:10])
+    whole, computed = kept_standalone_prefill(state, "s", "base", model, SHARED)
+    assert computed == len(SHARED) - 10 and len(state.items("s")) == 1
+    expected = standalone_prefill(model, SHARED)
+    torch.testing.assert_close(whole.k, expected.k, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(whole.v, expected.v, atol=ATOL, rtol=1e-5)
+    again, computed = kept_standalone_prefill(state, "s", "base", model, SHARED[:10])
+    assert computed == 0 and torch.equal(again.k, whole.k[:, :, :10])
+    assert kept_standalone_prefill(state, "s", "reference", model, SHARED)[1] == len(SHARED)
+
+
+def test_graphflow_base_extending_a_kept_one_computes_only_the_new_tokens(model):
+    """The connector's later hop matches the document with the notes after it: one span
+    extending the earlier hop's. Its base is the earlier base plus the new tokens' prefill,
+    the same KV as a base computed whole, and only the new tokens count as computed."""
+    n_layers, head = model.config.n_layers, 15
+    method = make_method("graphflow", residual_topk=0)
+    build(method, model, make_hop(model, source_kv(model, tokens=SHARED[:head]), SHARED[:head]))
+    got = build(method, model, make_hop(model, source_kv(model)))
+    rec = shared_record(got[2])
+    assert rec.details["base"] == "extended" and rec.served_tokens == head
+    assert rec.computed_pairs == (len(SHARED) - head) * n_layers and rec.decision == "partial"
+    fresh = make_method("graphflow", residual_topk=0)
+    whole = build(fresh, model, make_hop(model, source_kv(model)))
+    assert_same_build(got, whole)
+
+
 def test_graphflow_topk_covering_the_segment_is_dense(model, dense_and_full):
     hop, dense, _ = dense_and_full
     method = make_method("graphflow", residual_topk=len(SHARED))

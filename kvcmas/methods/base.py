@@ -244,6 +244,45 @@ def standalone_prefill(model: Transformer, tokens: tuple[int, ...]) -> SegmentKV
     return SegmentKV(k, v)
 
 
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def kept_standalone_prefill(
+    state: SessionState, session: str, kind: str, model: Transformer, tokens: tuple[int, ...]
+) -> tuple[SegmentKV, int]:
+    """``standalone_prefill(model, tokens)``, kept per session under ``(kind, tokens)`` and
+    built on the kept one sharing the longest prefix with ``tokens``: a prefill is causal, so
+    those rows are exactly this one's first rows and only the rest is computed. (In the
+    connector a later hop's span often extends an earlier hop's: the document, then the notes
+    that followed it there.) A kept prefill that is a prefix of the new one is dropped.
+    Returns the prefill and how many of its tokens were computed now."""
+    best, shared = None, 0
+    for key, kv in state.items(session):
+        if key[0] == kind:
+            n = common_prefix(key[1], tokens)
+            if n > shared:
+                best, shared = (key, kv), n
+    if best is not None and shared == len(tokens):  # kept, or inside a longer one kept
+        kv = best[1] if len(best[0][1]) == shared else SegmentKV(
+            best[1].k[:, :, :shared], best[1].v[:, :, :shared])
+        return kv, 0
+    cache = model.new_cache(capacity=len(tokens))
+    if best is not None:
+        cache.append(best[1].k[:, :, :shared], best[1].v[:, :, :shared])
+        if shared == len(best[0][1]):
+            state.drop(session, best[0])  # the new one holds all of it
+    model.prefill(list(tokens[shared:]), cache)
+    k, v = cache.span(0, len(tokens))
+    kv = SegmentKV(k, v)
+    state.put(session, (kind, tokens), kv)
+    return kv, len(tokens) - shared
+
+
 def reuse_shared(
     seg: Segment,
     shared: SharedSegment,

@@ -18,9 +18,12 @@ Interpretations (the public description is thin):
   (``after_hop``), off the critical path, like anchor construction. Residuals persist across
   requests (``memory_bytes()`` reports them) and are never refreshed.
 * ``residual_topk=0`` never records: every non-first consumer uses the base alone.
-* The base is computed once per session and segment, by the first hop that needs it (on
+* The base is computed once per session and content, by the first hop that needs it (on
   that hop's critical path, ``n * L`` pairs, decision "partial"); later hops of the session
-  place the same base (0 pairs, decision "reuse"). Bases are per-session state
+  place the same base (0 pairs, decision "reuse"). A span that extends a kept base (the
+  connector's later hops often match the document together with the notes after it) has
+  only its new tokens computed (:func:`~kvcmas.methods.base.kept_standalone_prefill`; those
+  tokens are not served from a source). Bases are per-session state
   (:mod:`kvcmas.methods.session_state`: kept while sessions interleave in the connector,
   within its bound) and counted in ``memory_bytes()``. A base computed to record a residual
   (after the first token) is kept the same way.
@@ -38,7 +41,7 @@ from kvcmas.methods.base import (
     Method,
     SegmentRecord,
     dense_shared,
-    standalone_prefill,
+    kept_standalone_prefill,
 )
 from kvcmas.methods.config import MethodConfig, option, require
 
@@ -102,15 +105,9 @@ class GraphFlow(Method):
         self._pending.clear()
         return super().build_segments(hop, model, cache)
 
-    def base(self, session: str, slot: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, bool]:
-        """The session's context-free base of ``tokens``; whether it was computed just now."""
-        key = ("base", slot, tokens)
-        base = self.session_state.get(session, key)
-        if base is None:
-            base = standalone_prefill(self._model, tokens)
-            self.session_state.put(session, key, base)
-            return base, True
-        return base, False
+    def base(self, session: str, tokens: tuple[int, ...]) -> tuple[SegmentKV, int]:
+        """The session's context-free base of ``tokens``; how many tokens were computed now."""
+        return kept_standalone_prefill(self.session_state, session, "base", self._model, tokens)
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if shared.latest is None:
@@ -122,16 +119,17 @@ class GraphFlow(Method):
             rec = dense_shared(seg, shared, model, cache)
             rec.details = {"records_residual": True}
             return rec
-        base, fresh = self.base(hop.session, seg.slot, seg.tokens)
+        base, computed = self.base(hop.session, seg.tokens)
         kv = SegmentKV(base.k.clone(), base.v.clone())
         applied = residual.apply(kv) if residual is not None else 0
         start = place_segment(cache, kv, model.inv_freq)
         n = len(seg)
-        pairs = n * model.config.n_layers if fresh else 0
-        details = {"base": "computed" if fresh else "cached", "residual_tokens": applied}
-        decision = "partial" if fresh else "reuse"
-        # A fresh base is a prefill of the whole span: none of its tokens came from a source.
-        served = 0 if fresh else n
+        pairs = computed * model.config.n_layers
+        how = "cached" if computed == 0 else "computed" if computed == n else "extended"
+        details = {"base": how, "residual_tokens": applied}
+        decision = "partial" if computed else "reuse"
+        # Tokens of the base computed just now are a prefill: they came from no source.
+        served = n - computed
         return SegmentRecord(
             seg.slot, shared.kind, start, n, decision, pairs, served, details=details
         )
@@ -141,6 +139,6 @@ class GraphFlow(Method):
         inv_freq = self._model.inv_freq
         for path, start, tokens in self._pending:
             dense = SegmentKV.from_cache(build.cache, start, start + len(tokens), inv_freq)
-            base, _ = self.base(hop.session, path[0], tokens)
+            base, _ = self.base(hop.session, tokens)
             self.residuals[path] = top_residual(dense, base, self.residual_topk)
         self._pending.clear()

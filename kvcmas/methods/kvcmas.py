@@ -27,8 +27,8 @@ from kvcmas.methods.base import (
     Method,
     SegmentRecord,
     dense_shared,
+    kept_standalone_prefill,
     reuse_shared,
-    standalone_prefill,
 )
 from kvcmas.methods.config import MethodConfig, option, require
 from kvcmas.methods.repair import SELECTIONS, fraction_count, question_tokens, repair_span
@@ -179,11 +179,10 @@ class KVCMAS(Method):
             return shared.latest, shared.latest_agent
         if shared.kind == "agent":
             return shared.origin, shared.origin_agent
-        key = ("reference", shared.tokens)  # by content, within the session
-        reference = self.session_state.get(hop.session, key)
-        if reference is None:  # a reference prefill on the critical path
-            reference = standalone_prefill(model, shared.tokens)
-            self.session_state.put(hop.session, key, reference)
+        # A reference prefill on the critical path, of what the session has not prefilled yet.
+        reference, _ = kept_standalone_prefill(
+            self.session_state, hop.session, "reference", model, shared.tokens
+        )
         return reference, "reference"
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:

@@ -46,6 +46,14 @@ class SessionState:
         values = self._sessions.get(session)
         return None if values is None else values.get(key)
 
+    def items(self, session: str) -> list[tuple[Hashable, Any]]:
+        return list(self._sessions.get(session, {}).items())
+
+    def drop(self, session: str, key: Hashable) -> None:
+        values = self._sessions.get(session, {})
+        if key in values:
+            self._bytes[session] -= value_bytes(values.pop(key))
+
     def put(self, session: str, key: Hashable, value: Any) -> None:
         if session != self._current:
             self.enter(session)
