@@ -73,10 +73,11 @@ class SessionState:
 
     def _evict(self) -> None:
         """Drop the least recently served sessions, never the current one, down to the bound."""
+        total = self.nbytes()
         for session in list(self._sessions):
-            if self.nbytes() <= self.max_bytes:
+            if total <= self.max_bytes:
                 return
             if session != self._current:
                 del self._sessions[session]
-                del self._bytes[session]
+                total -= self._bytes.pop(session)
                 self.dropped_sessions += 1
