@@ -10,7 +10,12 @@ pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
-from kvcmas.serve.paged_layout import PagedLayoutError, read_span, write_span  # noqa: E402
+from kvcmas.serve.paged_layout import (  # noqa: E402
+    PagedLayoutError,
+    packing_for_isa,
+    read_span,
+    write_span,
+)
 
 HEADS, HEAD_DIM = 3, 64  # the default model's KV shape
 
@@ -20,15 +25,26 @@ def empty_cache(num_blocks: int, block_size: int, dtype: torch.dtype, head_dim=H
     return torch.full((num_blocks, HEADS, block_size, 2 * head_dim), float("nan"), dtype=dtype)
 
 
-def vllm_write(cache: torch.Tensor, block_ids, start: int, k: torch.Tensor, v: torch.Tensor):
-    """Write k, v ([heads, length, head_dim]) with the op the CPU backend itself uses."""
+def isa_here(cache: torch.Tensor) -> str:
+    """The ISA the CPU backend picks for this cache on this machine."""
+    _, _, block_size, two_d = cache.shape
+    return _get_attn_isa(cache.dtype, block_size, two_d // 2)
+
+
+def packing_here(cache: torch.Tensor) -> str:
+    return packing_for_isa(isa_here(cache))
+
+
+def vllm_write(cache: torch.Tensor, block_ids, start: int, k, v, isa: str | None = None):
+    """Write k, v ([heads, length, head_dim]) with the op the CPU backend itself uses, for
+    ``isa`` (default: the one the backend picks here)."""
     num_blocks, heads, block_size, two_d = cache.shape
     # The backend's own split of the layer tensor (cpu_attn.py, do_kv_cache_update).
     key_cache, value_cache = cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
     positions = torch.arange(start, start + k.shape[1])
     blocks = torch.as_tensor(block_ids)[positions // block_size]
     slots = blocks * block_size + positions % block_size
-    isa = _get_attn_isa(cache.dtype, block_size, two_d // 2)
+    isa = isa or isa_here(cache)
     ops.cpu_attn_reshape_and_cache(
         k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
         key_cache, value_cache, slots, isa,
@@ -55,10 +71,15 @@ SPANS = [
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def test_layout_matches_vllm_isa_here():
-    # The probe covers the ISAs this CPU selects; AMX (bf16 on Sapphire Rapids) is not
-    # available here and may pack blocks differently, so the connector re-checks at start.
+HAS_AMX = torch.cpu._is_amx_tile_supported()
+
+
+def test_fp32_uses_the_vec_packing_on_x86():
+    # fp32 never takes the AMX kernel; bf16 does where the CPU has AMX tiles (the tests below
+    # use whichever packing the backend picks here, and the AMX ones where it can).
     assert _get_attn_isa(torch.float32, 128, HEAD_DIM) in ("vec", "vec16")
+    assert packing_for_isa("vec") == packing_for_isa("vec16") == "vec"
+    assert packing_for_isa("amx") == "amx"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -67,7 +88,7 @@ def test_read_span_returns_what_vllm_wrote(dtype, block_size, table, start, leng
     cache = empty_cache(12, block_size, dtype)
     k, v = random_kv(length, dtype, seed=start + length)
     vllm_write(cache, table, start, k, v)
-    k_back, v_back = read_span(cache, table, start, length)
+    k_back, v_back = read_span(cache, table, start, length, packing=packing_here(cache))
     assert k_back.shape == (HEADS, length, HEAD_DIM) and k_back.dtype == dtype
     assert torch.equal(k_back, k) and torch.equal(v_back, v)
 
@@ -81,7 +102,7 @@ def test_write_span_equals_vllm_write(dtype, block_size, table, start, length):
     for c in (ours, reference):
         vllm_write(c, table, 0, k0, v0)
     k, v = random_kv(length, dtype, seed=length)
-    write_span(ours, table, start, k, v)
+    write_span(ours, table, start, k, v, packing=packing_here(ours))
     vllm_write(reference, table, start, k, v)
     # NaN-aware bitwise equality over the whole cache (untouched blocks stay NaN in both).
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -93,8 +114,45 @@ def test_other_head_dim(head_dim):
     cache = empty_cache(6, 128, torch.float32, head_dim)
     k, v = random_kv(150, torch.float32, seed=3, head_dim=head_dim)
     vllm_write(cache, [3, 1], 90, k[:, :100], v[:, :100])
-    k_back, v_back = read_span(cache, [3, 1], 90, 100)
+    k_back, v_back = read_span(cache, [3, 1], 90, 100, packing="vec")
     assert torch.equal(k_back, k[:, :100]) and torch.equal(v_back, v[:, :100])
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="vLLM's AMX write op needs a CPU with AMX tiles")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize(
+    "block_size,table,start,length", [(32, [3, 1, 4], 5, 70), (128, [2], 17, 100)]
+)
+def test_amx_packing_equals_vllms_amx_write(head_dim, block_size, table, start, length):
+    ours = empty_cache(6, block_size, torch.bfloat16, head_dim)
+    reference = empty_cache(6, block_size, torch.bfloat16, head_dim)
+    k, v = random_kv(length, torch.bfloat16, seed=length, head_dim=head_dim)
+    vllm_write(reference, table, start, k, v, isa="amx")
+    write_span(ours, table, start, k, v, packing="amx")
+    assert torch.equal(ours.view(torch.int16), reference.view(torch.int16))
+    k_back, v_back = read_span(reference, table, start, length, packing="amx")
+    assert torch.equal(k_back, k) and torch.equal(v_back, v)
+    with pytest.raises(AssertionError):  # the vec packing misreads it
+        k_vec, v_vec = read_span(reference, table, start, length, packing="vec")
+        assert torch.equal(k_vec, k) and torch.equal(v_vec, v)
+
+
+def test_amx_packing_places_each_value_where_the_tile_kernel_reads_it():
+    """Everywhere (no vLLM op): token t, channel d of head h in block b sits, within the
+    block's head, at K [t//16, d//2, t%16, d%2] and V [d//16, t//2, d%16, t%2]."""
+    block_size, head_dim = 32, 64
+    cache = torch.zeros(2, HEADS, block_size, 2 * head_dim)
+    t = torch.arange(block_size).view(1, block_size, 1).expand(HEADS, block_size, head_dim)
+    d = torch.arange(head_dim).view(1, 1, head_dim).expand(HEADS, block_size, head_dim)
+    h = torch.arange(HEADS).view(HEADS, 1, 1).expand(HEADS, block_size, head_dim)
+    code = (h * 10_000 + t * 100 + d).float()  # exact in fp32
+    write_span(cache, [1], 0, code, -code, packing="amx")
+    flat = cache[1].reshape(HEADS, 2, block_size * head_dim)
+    k_at = ((t // 16) * (head_dim // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
+    v_at = ((d // 16) * (block_size // 2) + t // 2) * 32 + (d % 16) * 2 + t % 2
+    assert torch.equal(flat[:, 0].gather(1, k_at.reshape(HEADS, -1)), code.reshape(HEADS, -1))
+    assert torch.equal(flat[:, 1].gather(1, v_at.reshape(HEADS, -1)), -code.reshape(HEADS, -1))
+    assert not cache[0].any()  # other blocks untouched
 
 
 def test_obvious_untransposed_indexing_does_not_match():
@@ -114,19 +172,24 @@ def test_obvious_untransposed_indexing_does_not_match():
 def test_errors_name_the_problem():
     cache = empty_cache(4, 32, torch.float32)
     k, v = random_kv(10, torch.float32, seed=0)
+    vec = {"packing": "vec"}
     with pytest.raises(PagedLayoutError, match="needs 2 blocks .* block table has 1"):
-        read_span(cache, [0], 30, 5)
+        read_span(cache, [0], 30, 5, **vec)
     with pytest.raises(PagedLayoutError, match="needs 2 blocks"):
-        write_span(cache, [1], 25, k, v)
+        write_span(cache, [1], 25, k, v, **vec)
     with pytest.raises(PagedLayoutError, match="dtype"):
-        write_span(cache, [0], 0, k.bfloat16(), v.bfloat16())
+        write_span(cache, [0], 0, k.bfloat16(), v.bfloat16(), **vec)
     with pytest.raises(PagedLayoutError, match=r"k must be \[kv_heads=3"):
-        write_span(cache, [0], 0, k[:2], v[:2])
+        write_span(cache, [0], 0, k[:2], v[:2], **vec)
     with pytest.raises(PagedLayoutError, match="shapes differ"):
-        write_span(cache, [0], 0, k, v[:, :5])
+        write_span(cache, [0], 0, k, v[:, :5], **vec)
     with pytest.raises(PagedLayoutError, match=r"block ids .* \[0, 4\)"):
-        read_span(cache, [7], 0, 3)
+        read_span(cache, [7], 0, 3, **vec)
     with pytest.raises(PagedLayoutError, match="2\\*head_dim"):
-        read_span(cache[0], [0], 0, 3)
+        read_span(cache[0], [0], 0, 3, **vec)
     with pytest.raises(PagedLayoutError, match=">= 0"):
-        read_span(cache, [0], -1, 3)
+        read_span(cache, [0], -1, 3, **vec)
+    with pytest.raises(PagedLayoutError, match="unknown packing 'tiles'"):
+        read_span(cache, [0], 0, 3, packing="tiles")
+    with pytest.raises(PagedLayoutError, match="divisible by 16, got 24 and 64"):
+        read_span(empty_cache(2, 24, torch.float32), [0], 0, 3, packing="amx")

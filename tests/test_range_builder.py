@@ -19,6 +19,7 @@ from kvcmas.serve.range_builder import RangePlan, SourceRef, SpanPiece, build_ra
 from tests.test_baselines import OTHER_PREFIX, PREFIX, SHARED, TAIL, ids, source_kv
 
 BLOCK = 16
+PACKING = "vec"  # vLLM's packing for fp32 caches; the whole-span test also runs the AMX one
 MID = ids(11, 5)  # private text between the computed prefix and the shared span
 
 
@@ -38,10 +39,10 @@ def paged_layers(model, num_blocks=12):
     return [torch.zeros(num_blocks, c.n_kv_heads, BLOCK, 2 * c.head_dim) for _ in range(c.n_layers)]
 
 
-def write_context(layers, block_ids, cache, end):
+def write_context(layers, block_ids, cache, end, packing=PACKING):
     """What vLLM computed: the prompt's KV up to ``end`` in the request's blocks."""
     for i, layer in enumerate(layers):
-        write_span(layer, block_ids, 0, cache.k[i, :, :end], cache.v[i, :, :end])
+        write_span(layer, block_ids, 0, cache.k[i, :, :end], cache.v[i, :, :end], packing=packing)
 
 
 def reader(saved: dict):
@@ -52,8 +53,8 @@ def reader(saved: dict):
     return read
 
 
-def range_of(layers, block_ids, start, end):
-    spans = [read_span(layer, block_ids, start, end - start) for layer in layers]
+def range_of(layers, block_ids, start, end, packing=PACKING):
+    spans = [read_span(layer, block_ids, start, end - start, packing=packing) for layer in layers]
     return torch.stack([k for k, _ in spans]), torch.stack([v for _, v in spans])
 
 
@@ -69,7 +70,7 @@ def test_context_is_read_back_bitwise(model):
     layers, blocks = paged_layers(model), [5, 2, 7, 0]
     cache = dense(model, PREFIX + MID + SHARED)
     write_context(layers, blocks, cache, 40)
-    back = read_context(layers, blocks, 40, model.dtype)
+    back = read_context(layers, blocks, 40, model.dtype, PACKING)
     assert torch.equal(back.k[:, :, :40], cache.k[:, :, :40])
     assert torch.equal(back.v[:, :, :40], cache.v[:, :, :40])
 
@@ -102,7 +103,7 @@ def assert_range_is(layers, plan, expected):
 def test_range_equals_the_method_on_kvcmas_own_cache(model, method):
     """The connector's hop is the runner's hop: same segments, same source, same KV."""
     plan, layers, read = one_span_range(model)
-    records = build_range(plan, make_method(method), model, layers, read)
+    records = build_range(plan, make_method(method), model, layers, read, PACKING)
     assert [r.slot for r in records] == [None, "a"]
 
     expected = dense(model, PREFIX)
@@ -120,7 +121,7 @@ def test_graphflow_range_equals_its_own_hop_once_its_path_has_a_residual(model):
     hop = runner_hop(model)
     decisions = []
     for _ in range(2):
-        records = build_range(plan, served, model, layers, read)
+        records = build_range(plan, served, model, layers, read, PACKING)
         expected = dense(model, PREFIX)
         own_records, _ = own.build_segments(hop, model, expected)
         own.after_hop(hop, HopBuild(expected, None, own_records))
@@ -130,25 +131,27 @@ def test_graphflow_range_equals_its_own_hop_once_its_path_has_a_residual(model):
     assert decisions[1] == ("reuse", {"base": "cached", "residual_tokens": 4})
 
 
-def test_recomputing_the_whole_span_is_dense(model):
-    """Head recompute over the whole span: every row of the range equals a dense prefill."""
+@pytest.mark.parametrize("packing", ["vec", "amx"])
+def test_recomputing_the_whole_span_is_dense(model, packing):
+    """Head recompute over the whole span: every row of the range equals a dense prefill
+    (read and written in either of vLLM's block packings)."""
     prompt = PREFIX + MID + SHARED + TAIL
     start, span_start = len(PREFIX), len(PREFIX + MID)
     end = span_start + len(SHARED)
     layers, blocks = paged_layers(model), [3, 9, 1, 4, 6]
     reference = dense(model, prompt)
-    write_context(layers, blocks, reference, start)
+    write_context(layers, blocks, reference, start, packing)
     saved = {"src": dense(model, OTHER_PREFIX + SHARED)}
     plan = span_plan(prompt, start, end, span_start)
     plan.block_ids = blocks
     build_range(plan, make_method("headrecompute", {"head_tokens": 10_000}), model, layers,
-                reader(saved))
-    k, v = range_of(layers, blocks, start, end)
+                reader(saved), packing)
+    k, v = range_of(layers, blocks, start, end, packing)
     torch.testing.assert_close(k, reference.k[:, :, start:end], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v, reference.v[:, :, start:end], rtol=1e-5, atol=1e-5)
     # A reused span (no recompute) differs: the test can see a wrong range.
-    build_range(plan, make_method("fullshared"), model, layers, reader(saved))
-    k, _ = range_of(layers, blocks, span_start, end)
+    build_range(plan, make_method("fullshared"), model, layers, reader(saved), packing)
+    k, _ = range_of(layers, blocks, span_start, end, packing)
     assert not torch.allclose(k, reference.k[:, :, span_start:end], rtol=1e-3, atol=1e-3)
 
 
@@ -162,7 +165,7 @@ def test_an_exact_run_is_copied_at_its_own_positions(model):
     write_context(layers, blocks, earlier, start)
     saved = {"src": dense(model, OTHER_PREFIX + SHARED), "earlier": earlier}
     build_range(span_plan(prompt, start, end, exact_end, exact=("earlier", exact_end)),
-                make_method("fullshared"), model, layers, reader(saved))
+                make_method("fullshared"), model, layers, reader(saved), PACKING)
     k, v = range_of(layers, blocks, start, exact_end)
     assert torch.equal(k, earlier.k[:, :, start:exact_end])
     assert torch.equal(v, earlier.v[:, :, start:exact_end])

@@ -8,6 +8,7 @@ prompts as token ids, and compare against plain vLLM on the same server with a f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,6 +96,9 @@ def test_span_store_counts_bytes():
 # ----------------------------------------------------------------- a real vLLM server
 
 STORE_BYTES = 80 << 20  # ~1800 tokens of the default model's fp32 KV: eviction gets exercised
+# bf16's epsilon is 2**-7: the re-injected path (one query token over cached KV) and a full
+# prefill round differently (0.0082 measured on an AMX CPU); a misread cache changes tokens.
+BF16_LOGPROB_TOLERANCE = 0.05
 
 
 @dataclass
@@ -122,8 +126,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def running_server(tmp: Path, dtype: str):
+    """vLLM's OpenAI server on the embedded default model in ``dtype``, with the connector
+    (KVCMAS at tau 1 by default) and the middleware; stopped on exit."""
     pytest.importorskip("vllm")
     openai = pytest.importorskip("openai")
     from transformers import AutoTokenizer
@@ -131,7 +137,6 @@ def server(tmp_path_factory):
     from kvcmas.model.loader import DEFAULT_MODEL, resolve
 
     _, folder = resolve(DEFAULT_MODEL)  # the embedded GGUF, converted once to safetensors
-    tmp = tmp_path_factory.mktemp("vllm")
     port = _free_port()
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     env = dict(
@@ -154,7 +159,7 @@ def server(tmp_path_factory):
     }
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(folder), "--dtype", "float32", "--enforce-eager",
+        "--model", str(folder), "--dtype", dtype, "--enforce-eager",
         "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
         # An explicit KV size: the default (a share of node memory) fails on small machines.
         "--kv-cache-memory-bytes", str(512 << 20),
@@ -185,6 +190,12 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("vllm"), "float32") as s:
+        yield s
 
 
 def stats(server: Server) -> dict:
@@ -276,6 +287,28 @@ def test_reinjected_kv_is_exact(server):
     diff = float(np.max(np.abs(again.logprobs - reference.logprobs)))
     print(f"max |logprob difference| after re-injecting {len(ids) - 1} tokens: {diff:.3g}")
     assert diff < 1e-5
+
+
+@pytest.mark.vllm
+def test_reinjected_kv_is_exact_in_bf16(tmp_path):
+    """In bf16 the backend packs blocks for its ISA (AMX tiles where the CPU has them, which
+    fp32 never uses): the connector reads and writes that packing, so the KV it saved and
+    re-injects gives plain vLLM's answer. A wrong packing scrambles K and V."""
+    import torch
+
+    with running_server(tmp_path, "bfloat16") as server:
+        packing = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+        assert f"packing={packing})" in server.log_file.read_text()
+        ids = prompt_ids(server, "Alpha")
+        reference = plain(server, ids)
+        complete(server, ids, session="S-bf16")
+        again = complete(server, ids, session="S-bf16", salt=f"fresh-{uuid.uuid4()}")
+        assert again.local_hit == 0
+        assert again.kvcmas["claimed_tokens"] == again.cached_tokens == len(ids) - 1
+        assert again.tokens == reference.tokens
+        diff = float(np.max(np.abs(again.logprobs - reference.logprobs)))
+        print(f"bf16 ({packing}): max |logprob difference| after re-injection: {diff:.3g}")
+        assert diff < BF16_LOGPROB_TOLERANCE
 
 
 @pytest.mark.vllm

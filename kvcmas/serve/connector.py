@@ -63,6 +63,8 @@ from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.params import (
     CONNECTOR_METHODS,
     DEFAULT_NAMESPACES,
+    DEFAULT_SESSION_STATE_BYTES,
+    DEFAULT_STORE_BYTES,
     DUMP_DIR_ENV,
     KvcmasParams,
     KvcmasParamsError,
@@ -85,8 +87,6 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvcmas.connector")  # under "vllm": printed by its handlers
 
-DEFAULT_STORE_BYTES = 512 << 20
-DEFAULT_SESSION_STATE_BYTES = 1 << 30
 # Only requests that ran to their end are saved (an aborted one's last step may be unwritten).
 _SAVED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _RECENT = 100  # entries kept in the stats' logs of recent injections and builds
@@ -184,6 +184,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             self.store = SpanStore()
             self.kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[str] = []
+            self._packing: str | None = None  # vLLM's block packing, checked at registration
             self._loaded = None  # kvcmas's runtime on the same weights, loaded on first use
             # Per (namespace, method): anchor pools never cross tenants; the least recently
             # used tenant's are dropped beyond max_namespaces objects.
@@ -364,8 +365,12 @@ class KvcmasConnector(KVConnectorBase_V1):
         self._layers = layer_order(kv_caches)
         model_dtype = self._vllm_config.model_config.dtype
         kv_dtype = self._vllm_config.cache_config.cache_dtype
-        isa = check_layout_against_vllm(next(iter(self.kv_caches.values())), model_dtype, kv_dtype)
-        logger.info("KvcmasConnector: paged layout checked against vLLM (isa=%s)", isa)
+        first = next(iter(self.kv_caches.values()))
+        isa, self._packing = check_layout_against_vllm(first, model_dtype, kv_dtype)
+        logger.info(
+            "KvcmasConnector: paged layout checked against vLLM (isa=%s, packing=%s)",
+            isa, self._packing,
+        )  # fmt: skip
         self._write_stats()  # from startup on, /kvcmas/stats names the method
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -398,7 +403,7 @@ class KvcmasConnector(KVConnectorBase_V1):
     def _save(self, order: SaveOrder) -> None:
         layers = {}
         for name, cache in self.kv_caches.items():
-            k, v = read_span(cache, order.block_ids, 0, order.num_tokens)
+            k, v = read_span(cache, order.block_ids, 0, order.num_tokens, packing=self._packing)
             layers[name] = torch.stack((k, v))
         self.store.put(order.key, layers)
         if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
@@ -463,7 +468,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             if noise_std:
                 noise = torch.randn(kv.shape, generator=generator).to(kv.device) * noise_std
                 kv = (kv.float() + noise).to(kv.dtype)
-            write_span(cache, plan.block_ids, plan.start, kv[0], kv[1])
+            write_span(cache, plan.block_ids, plan.start, kv[0], kv[1], packing=self._packing)
 
     def _make_method(self, name: str) -> Method:
         """A new method object: the server's method takes its configured options, a
@@ -492,7 +497,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         model = self._model()
         layers = [self.kv_caches[name] for name in self._layers]
         method = self._methods.get(plan.namespace, plan.method)
-        records = build_range(plan, method, model, layers, self._read_source)
+        records = build_range(plan, method, model, layers, self._read_source, self._packing)
         shared = [r for r in records if r.slot is not None]
         counts = ReuseCounts.of(records, model.config.n_layers)  # the one definition of reuse
         s = self._stats

@@ -25,11 +25,10 @@ from pathlib import Path
 
 from kvcmas.errors import UsageError
 from kvcmas.serve.http import STATS_FILE_ENV
-from kvcmas.serve.params import CONNECTOR_METHODS
+from kvcmas.serve.params import CONNECTOR_METHODS, DEFAULT_STORE_BYTES
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # vLLM's default (a share of node memory) fails when small
-DEFAULT_STORE_BYTES = 512 << 20
 SHUTDOWN_GRACE_S = 30.0
 
 

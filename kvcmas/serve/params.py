@@ -29,6 +29,9 @@ _TEST_FIELDS = ("test_noise_std", "test_dump")
 # (Plain vLLM, with no kvcmas params, is what `kvcmas run --engine vllm` calls "nonshared".)
 # Method objects (one per namespace and method, holding its anchor pools) a connector keeps.
 DEFAULT_NAMESPACES = 64
+# Bounds of the connector's span store and of each method object's per-session state.
+DEFAULT_STORE_BYTES = 512 << 20
+DEFAULT_SESSION_STATE_BYTES = 1 << 30
 
 CONNECTOR_METHODS = (
     "exact", "dense", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",

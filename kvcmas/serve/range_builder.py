@@ -125,13 +125,15 @@ def shared_segments(plan: RangePlan, read: ReadSource, inv_freq) -> dict[str, Sh
     return shared
 
 
-def read_context(layers: Sequence[torch.Tensor], block_ids, end: int, dtype) -> KVCache:
+def read_context(
+    layers: Sequence[torch.Tensor], block_ids, end: int, dtype, packing: str
+) -> KVCache:
     """vLLM's KV of positions [0, end) as a kvcmas cache (room left for the range)."""
     first = layers[0]
     heads, head_dim = first.shape[1], first.shape[3] // 2
     cache = KVCache(len(layers), heads, head_dim, dtype, capacity=end, device=first.device)
     if end:
-        spans = [read_span(layer, block_ids, 0, end) for layer in layers]
+        spans = [read_span(layer, block_ids, 0, end, packing=packing) for layer in layers]
         cache.append(torch.stack([k for k, _ in spans]).to(dtype),
                      torch.stack([v for _, v in spans]).to(dtype))
     return cache
@@ -143,10 +145,12 @@ def build_range(
     model: Transformer,
     layers: Sequence[torch.Tensor],
     read: ReadSource,
+    packing: str,
 ) -> list[SegmentRecord]:
     """Fill ``[plan.start, plan.end)`` of the request's blocks in every layer of ``layers``
-    (vLLM's paged caches, in model order); returns the method's records of the range."""
-    cache = read_context(layers, plan.block_ids, plan.start, model.dtype)
+    (vLLM's paged caches, in model order, packed as ``packing``); returns the method's records
+    of the range."""
+    cache = read_context(layers, plan.block_ids, plan.start, model.dtype, packing)
     cache.reserve(plan.end)
     if plan.exact_end > plan.start:
         k, v = read(plan.exact_key, plan.start, plan.exact_end - plan.start)
@@ -162,5 +166,5 @@ def build_range(
     for i, layer in enumerate(layers):
         write_span(layer, plan.block_ids, plan.start,
                    cache.k[i, :, plan.start : plan.end].to(layer.dtype),
-                   cache.v[i, :, plan.start : plan.end].to(layer.dtype))
+                   cache.v[i, :, plan.start : plan.end].to(layer.dtype), packing=packing)
     return records
