@@ -118,6 +118,63 @@ def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
         pareto.run(parse("--rerender", "--out", str(tmp_path / "none")))
 
 
+def _part(tmp_path, name: str, labels: list[tuple[str, str, float, float]], **setup) -> str:
+    """A pareto run's folder at one size with NonShared and the given (method, label, TTFT
+    speedup, KL) points."""
+    results = _two_point_results()
+    base = results["sizes"][0]["points"][0]
+    rows = [{**base, "method": "nonshared", "label": "nonshared", "ttft_speedup_later": 1.0,
+             "first_token_kl": 0.0}]  # fmt: skip
+    rows += [
+        {**base, "method": m, "label": lb, "ttft_speedup_later": x, "first_token_kl": kl}
+        for m, lb, x, kl in labels
+    ]
+    results["sizes"][0]["points"] = rows
+    results["setup"].update(setup)
+    results["wall_s"] = 60.0
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+    return str(folder)
+
+
+def test_merge_draws_every_parts_methods_on_one_frontier_plot(tmp_path):
+    from kvcmas.experiments import pareto
+
+    a = _part(tmp_path, "a", [("kvcmas", "k1", 3.0, 0.01)])
+    b = _part(tmp_path, "b", [("headrecompute", "h1", 4.0, 0.001)], machine="other cpu")
+    out = tmp_path / "merged"
+    assert pareto.run(parse("--merge", a, b, "--out", str(out))) == 0
+    merged = json.loads((out / "results.json").read_text())
+    rows = merged["sizes"][0]["points"]
+    # NonShared once (from the first part), every other point with the part it came from
+    assert [(r["label"], r["part"]) for r in rows] == [("nonshared", 1), ("k1", 1), ("h1", 2)]
+    assert merged["sizes"][0]["kvcmas_against"]["ttft_speedup_later"] == {"headrecompute": ["h1"]}
+    assert merged["setup"]["machine"] == "differs per part (see parts)"
+    assert merged["wall_s"] == 120.0
+    table = (out / "table.md").read_text()
+    assert "| k1 |" in table and table.count(" part |") == 1 and f"`{b}` (other cpu" in table
+    assert (out / "pareto_64.png").is_file()
+
+
+def test_merge_refuses_other_documents_a_point_twice_and_a_serving_run(tmp_path):
+    from kvcmas.experiments import pareto
+
+    a = _part(tmp_path, "a", [("kvcmas", "k1", 3.0, 0.01)])
+    other = _part(tmp_path, "other", [("cacheblend", "c1", 2.0, 0.01)], split="validation")
+    with pytest.raises(UsageError, match="split 'validation' != None"):
+        pareto.run(parse("--merge", a, other, "--out", str(tmp_path / "m1")))
+    again = _part(tmp_path, "again", [("kvcmas", "k1", 3.5, 0.01)])
+    with pytest.raises(UsageError, match="k1 at N=64 is in both"):
+        pareto.run(parse("--merge", a, again, "--out", str(tmp_path / "m2")))
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    (serve / "results.json").write_text(json.dumps({"setup": {}, "sizes": [], "cells": []}))
+    with pytest.raises(UsageError, match="not a `kvcmas bench pareto` run"):
+        pareto.run(parse("--merge", a, str(serve), "--out", str(tmp_path / "m3")))
+    assert not (tmp_path / "m2").exists()  # a refused merge writes nothing
+
+
 def test_split_selects_the_documents_source_split():
     assert parse("--out", "x").split == "test"
     assert parse("--split", "validation", "--out", "x").split == "validation"
@@ -135,6 +192,9 @@ def test_plan_points_nonshared_first_within_the_point_cap():
     assert per_method["droidspeak"][0].options == {"block": "6:28"}  # fractions of 30 layers
     assert Point("nonshared", dtype="bf16").label == NOISE_FLOOR
     assert all(len(v) <= MAX_POINTS for v in KNOBS.values())
+    graphflow = plan_points(["graphflow"], 30, 2)[1:]
+    assert [p.label for p in graphflow] == ["graphflow(residual_topk=16)",
+                                           "graphflow(residual_topk=64)"]
 
 
 def test_given_points_replace_a_methods_grid():

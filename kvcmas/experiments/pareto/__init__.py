@@ -9,7 +9,7 @@ TTFT speedup on hops 2+, end-to-end speedup, compute). Each method's frontier (p
 point of the same method beats on both axes) is drawn per size, with a JSON and a table.
 
 Pieces: :mod:`.plan` (knob points, flags), :mod:`.runs` (the two passes), :mod:`.report`
-(frontiers, table, plots).
+(frontiers, table, plots), :mod:`.merge` (parts run separately, as one report).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from kvcmas.experiments import common
+from kvcmas.experiments.pareto.merge import merge_runs, read_parts
 from kvcmas.experiments.pareto.plan import add_arguments, check_args, smoke_args
 from kvcmas.experiments.pareto.report import add_frontiers, markdown, plot
 from kvcmas.experiments.pareto.runs import pareto
@@ -29,6 +30,11 @@ HELP = "each method over its knob: TTFT and end-to-end speedup against KL and an
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.merge:
+        results = merge_runs(read_parts(args.merge))
+        add_frontiers(results)
+        common.render(Path(args.out), results, markdown, plot)
+        return 0
     if args.rerender:  # an earlier run's figures, with this version's frontiers and table
         out = Path(args.out)
         _, results = common.read_results(out)

@@ -1,8 +1,9 @@
 """What a pareto run covers: sizes, the trace workflow, and each method's knob points.
 
 Each method runs over at most ``--max-points`` points of its own knob (KVCMAS: tau and the
-graded-repair budget; CacheBlend: ratio; head recompute: k; DroidSpeak: its layer block);
-FullShared, KVCOMM and NonShared are single points, and NonShared in bf16 is the noise floor.
+graded-repair budget; CacheBlend: ratio; head recompute: k; DroidSpeak: its layer block;
+GraphFlow: its sparse residual's tokens per path); FullShared, KVCOMM and NonShared are single
+points, and NonShared in bf16 is the noise floor.
 The workflow is the context sweep's trace (every agent reads the shared document and every
 earlier output); documents are cut from a packaged dataset's questions by the context sweep's
 builder (:mod:`kvcmas.experiments.context_sweep.documents`).
@@ -47,6 +48,7 @@ KNOBS: dict[str, list[dict[str, Any]]] = {
     "headrecompute": [{"head_tokens": k} for k in (4, 16, 64, 128, 256)],
     # DroidSpeak blocks as fractions of the depth: resolved once the model is loaded.
     "droidspeak": [{"block": f} for f in ((0.2, 0.93), (0.3, 0.8), (0.4, 0.7), (0.45, 0.6))],
+    "graphflow": [{"residual_topk": k} for k in (16, 0, 64)],  # its default first
 }
 DEFAULT_METHODS = list(KNOBS)
 
@@ -141,6 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rerender", action="store_true",
         help="run nothing: rewrite --out's table and plots from its results.json",
+    )  # fmt: skip
+    p.add_argument(
+        "--merge", nargs="+", metavar="DIR",
+        help="run nothing: merge these runs' results.json (parts on the same documents) into "
+        "--out, one frontier plot per size over every part's methods",
     )  # fmt: skip
     p.add_argument("--out", required=True)
     add_model_args(p)

@@ -129,14 +129,25 @@ COLUMNS = (
 )
 
 
-def _row(r: dict[str, Any], on: set[str]) -> str:
+def _row(r: dict[str, Any], on: set[str], merged: bool) -> str:
     return (
         f"| {r['label']} | {fmt(r['rho_later'], '.2f')} | {fmt(r['recompute_later'], '.2f')}"
         f" | {fmt(r['ttft_speedup_later'], '.2f')} | {fmt(r['e2e_speedup'], '.2f')}"
         f" | {fmt(r['compute_ratio'], '.2f')} | {fmt(r['first_token_kl'], '.5f')}"
         f" | {fmt(r['continuation_kl'], '.5f')} | {fmt(r['final_agreement'], '.2f')}"
-        f" | {'yes' if r['label'] in on else ''} |"
+        f" | {'yes' if r['label'] in on else ''} |" + (f" {r['part']} |" if merged else "")
     )
+
+
+def _parts_lines(parts: list[dict[str, Any]]) -> list[str]:
+    """A merged report's parts: where each came from. Speedups are ratios to a part's own
+    NonShared; fidelity figures compare across parts (same documents, deterministic)."""
+    lines = ["", "Parts merged into this report (`kvcmas bench pareto --merge`); a speedup is "
+             "a ratio to its own part's NonShared timing:", ""]
+    for p in parts:
+        wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
+        lines.append(f"* part {p['part']}: `{p['dir']}` ({p['machine']}{wall})")
+    return lines
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -157,10 +168,14 @@ def markdown(results: dict[str, Any]) -> str:
         "point). Frontier: not beaten "
         "on both TTFT speedup and first-token KL by another point of the same method.",
     ]
+    merged = "parts" in s
+    if merged:
+        lines += _parts_lines(s["parts"])
+    header = COLUMNS + (" part |" if merged else "")
     for size in results["sizes"]:
         on = {lb for labels in size["frontiers"][AXES[0][0]].values() for lb in labels}
-        lines += ["", f"## N = {size['size']} tokens", "", COLUMNS, "|---" * 10 + "|"]
-        lines += [_row(r, on) for r in size["points"]]
+        lines += ["", f"## N = {size['size']} tokens", "", header, "|---" * (10 + merged) + "|"]
+        lines += [_row(r, on, merged) for r in size["points"]]
         lines += _against_lines(size)
     return "\n".join(lines) + "\n"
 

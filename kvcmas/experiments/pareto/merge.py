@@ -1,0 +1,82 @@
+"""One pareto report from runs made separately (``kvcmas bench pareto --merge DIR...``).
+
+A run over every method does not fit one session here, so methods are run as parts (each with
+its own NonShared) and committed one by one; merging them draws every method's frontier on one
+plot per size. The parts must share the workload (:data:`SAME_WORKLOAD`: the same documents,
+trace and fidelity reference), so fidelity figures compare across parts; a speedup is a ratio
+to its own part's NonShared, so it compares across parts only as far as the parts' machines
+and code agree, which is why every row names its part. NonShared and the noise floor are
+taken from the first part that has them (the fidelity pass is deterministic); any other point
+in two parts is an error, not an overwrite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcmas.errors import UsageError
+from kvcmas.experiments.common import read_results
+from kvcmas.experiments.pareto.report import REFERENCES
+
+SAME_WORKLOAD = (
+    "model", "dtype", "agents", "output_tokens", "warmup_requests", "measured_requests",
+    "source", "split",
+)  # fmt: skip
+
+
+def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Each folder's results.json, checked to be a pareto run."""
+    if not dirs:
+        raise UsageError("--merge needs at least one results folder")
+    parts = []
+    for d in dirs:
+        path, results = read_results(d)
+        if not {"setup", "sizes"} <= results.keys() or "cells" in results:
+            raise UsageError(f"{path} is not a `kvcmas bench pareto` run")
+        parts.append((str(d), results))
+    return parts
+
+
+def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The merged results, shaped as one run's, each row with its ``part`` (1-based)."""
+    (first_dir, first), *rest = parts
+    for d, r in rest:
+        for key in SAME_WORKLOAD:
+            mine, theirs = r["setup"].get(key), first["setup"].get(key)
+            if mine != theirs:
+                raise UsageError(f"cannot merge {d} into {first_dir}: {key} {mine!r} != {theirs!r}")
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    seen: dict[tuple[int, str], str] = {}
+    for i, (d, r) in enumerate(parts, start=1):
+        for size in r["sizes"]:
+            rows = by_size.setdefault(size["size"], [])
+            for row in size["points"]:
+                key = (size["size"], row["label"])
+                if key in seen:
+                    if row["method"] in REFERENCES:
+                        continue
+                    raise UsageError(
+                        f"{row['label']} at N={size['size']} is in both {seen[key]} and {d}: "
+                        "merge one of them"
+                    )
+                seen[key] = d
+                rows.append({**row, "part": i})
+    setup = {**first["setup"], "sizes": sorted(by_size)}
+    setup["machine"] = _common(parts, "machine")
+    setup["parts"] = [
+        {"part": i, "dir": d, "wall_s": r.get("wall_s"), "machine": r["setup"].get("machine"),
+         "labels": sorted({p["label"] for s in r["sizes"] for p in s["points"]})}
+        for i, (d, r) in enumerate(parts, start=1)
+    ]  # fmt: skip
+    wall = [r.get("wall_s") for _, r in parts]
+    return {
+        "setup": setup,
+        "capped": {k: v for _, r in parts for k, v in (r.get("capped") or {}).items()},
+        "sizes": [{"size": s, "points": rows} for s, rows in sorted(by_size.items())],
+        "wall_s": sum(wall) if all(w is not None for w in wall) else None,
+    }
+
+
+def _common(parts: list[tuple[str, dict[str, Any]]], key: str) -> Any:
+    values = [r["setup"].get(key) for _, r in parts]
+    return values[0] if all(v == values[0] for v in values) else "differs per part (see parts)"
