@@ -470,6 +470,8 @@ def test_a_span_of_another_agents_prompt_is_found_and_reused(server):
     [span] = built["spans"]
     assert span["decision"] == "reuse" and span["served_tokens"] == span["length"]
     assert span["slot"] == "in:analyst"  # first seen in the analyst's prompt
+    # The build's wall time is recorded, and counted in the step time spent loading.
+    assert 0 < built["seconds"] <= stats(server)["load_s"]
     reference = plain(server, second)
     # The reused KV was computed after another opening: the model reads something else.
     assert float(np.max(np.abs(answer.logprobs - reference.logprobs))) > 1e-4

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -202,7 +203,11 @@ class KvcmasConnector(KVConnectorBase_V1):
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
                            "injected_tokens": 0, "dropped_requests": 0, "built_requests": 0,
                            "span_tokens": 0, "served_tokens": 0, "computed_pairs": 0,
-                           "dense_pairs": 0, "load_errors": 0, "injections": [], "builds": []}
+                           "dense_pairs": 0, "load_errors": 0, "injections": [], "builds": [],
+                           # Wall seconds of the worker's step spent here, before vLLM's
+                           # forward (the batch waits): saves, loads (copies and builds), and
+                           # building deferred anchors.
+                           "save_s": 0.0, "load_s": 0.0, "flush_s": 0.0}
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -381,6 +386,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             return
         changed = bool(meta.drops or meta.saves or meta.loads)
         dropped = set(meta.drops)
+        clock = time.perf_counter()
         for key in meta.drops:
             self.store.drop(key)
             self._stats["dropped_requests"] += 1
@@ -389,16 +395,25 @@ class KvcmasConnector(KVConnectorBase_V1):
                 self._finished_saving.add(order.request_id)
                 continue
             self._save(order)
+        clock = self._spent("save_s", clock)
         for order in meta.loads:
             self._load_or_report(order)
+        clock = self._spent("load_s", clock)
         if not meta.loads:
             # No claim to fill in this step: build the methods' deferred anchors now. This
             # delays the step's decode by the SVDs it runs (the serving counterpart of `kvcmas
             # run`'s idle time); under constant admissions a pool's next reader builds them.
             for method in self._methods.values():
                 method.flush()
+            self._spent("flush_s", clock)
         if changed:
             self._write_stats()
+
+    def _spent(self, key: str, since: float) -> float:
+        """Add the wall seconds since ``since`` to the stats' ``key``; return the time now."""
+        now = time.perf_counter()
+        self._stats[key] += now - since
+        return now
 
     def _save(self, order: SaveOrder) -> None:
         layers = {}
@@ -497,7 +512,9 @@ class KvcmasConnector(KVConnectorBase_V1):
         model = self._model()
         layers = [self.kv_caches[name] for name in self._layers]
         method = self._methods.get(plan.namespace, plan.method)
+        start = time.perf_counter()
         records = build_range(plan, method, model, layers, self._read_source, self._packing)
+        seconds = time.perf_counter() - start
         shared = [r for r in records if r.slot is not None]
         counts = ReuseCounts.of(records, model.config.n_layers)  # the one definition of reuse
         s = self._stats
@@ -515,6 +532,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             "request_id": plan.request_id, "session": plan.session, "agent": plan.agent,
             "namespace": plan.namespace, "method": plan.method, "start": plan.start,
             "end": plan.end, "exact_end": plan.exact_end, "spans": spans,
+            "seconds": round(seconds, 4),
         })
         del s["builds"][:-_RECENT]
 

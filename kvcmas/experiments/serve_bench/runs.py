@@ -303,7 +303,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             stats = EngineClient(base_url, stats_roots=run.stats_roots).stats() or {}
             server[method.name] = {k: stats.get(k) for k in (
                 "store_bytes", "store_requests", "method_state_bytes", "built_requests",
-                "span_tokens", "served_tokens", "load_errors")}  # fmt: skip
+                "span_tokens", "served_tokens", "load_errors", "save_s", "load_s",
+                "flush_s")}  # fmt: skip
     return {
         "setup": {
             "model": side.name,
