@@ -147,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
                 max_model_len=args.max_model_len, min_span=args.min_span,
-                max_namespaces=args.max_namespaces)
+                max_namespaces=args.max_namespaces, session_state_bytes=args.session_state_bytes)
     from kvcmas.serve.span_store import GRAM
 
     if args.min_span is not None and args.min_span < GRAM:
@@ -162,6 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
         args.store_bytes, args.max_model_len, options, args.min_span, args.max_namespaces,
+        args.session_state_bytes,
     )
     if args.instances != 1:
         from kvcmas.serve.cluster import serve_cluster
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES
-    from kvcmas.serve.params import DEFAULT_NAMESPACES
+    from kvcmas.serve.params import DEFAULT_NAMESPACES, DEFAULT_SESSION_STATE_BYTES
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
     add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
@@ -289,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="namespaces (tenants) whose method state (anchor pools) the connector "
                         "keeps; the least recently used beyond it is dropped "
                         f"(default {DEFAULT_NAMESPACES})")
+    s.add_argument("--session-state-bytes", type=int, default=None,
+                   help="bound of what each method object keeps per session (non-chained "
+                        "KVCMAS's and KVCOMM's reference prefills, GraphFlow's bases); beyond "
+                        "it the least recently served sessions' are dropped and recomputed "
+                        f"(default {DEFAULT_SESSION_STATE_BYTES >> 20} MiB)")
     add_method_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -273,6 +273,7 @@ def test_every_session_of_a_run_has_its_own_document_of_exactly_s_tokens():
         (["--capacity", "512=0.1", "--sizes", "2048"], "--capacity names sizes not in --sizes"),
         (["--sessions", "0"], "need --sessions >= 1"),
         (["--store-bytes", "0"], "--store-bytes must be a positive number, got 0"),
+        (["--session-state-bytes", "-2"], "--session-state-bytes must be a number >= 0, got -2"),
         (["--loads", "0"], "loads positive"),
         (["--dtype", "fp16"], "unknown dtype 'fp16'"),
         (["--options", "kvcmas:tau=-1"], "tau must be >= 0"),

@@ -68,6 +68,8 @@ def no_model(monkeypatch):
         (["--method", "exact", "--kv-cache-bytes", "0"], "--kv-cache-bytes must be a positive"),
         (["--method", "exact", "--store-bytes", "-5"], "--store-bytes must be a positive"),
         (["--method", "kvcmas", "--max-namespaces", "0"], "--max-namespaces must be a positive"),
+        (["--method", "kvcmas", "--session-state-bytes", "-1"],
+         "--session-state-bytes must be a number >= 0, got -1"),
     ],
 )
 def test_serve_refuses_bad_arguments_by_name(no_model, capsys, argv, message):
@@ -120,11 +122,11 @@ def test_server_command_configures_connector_middleware_and_cpu():
     assert kv["kv_connector_extra_config"] == {
         "method": "exact", "store_bytes": 7 << 20, "method_config": {}}
     cfg = ServeConfig(Path("/m"), "m", "kvcmas", method_options={"tau": "0.9"}, min_span=40,
-                      max_namespaces=3)
+                      max_namespaces=3, session_state_bytes=0)
     extra = json.loads(server_command(cfg)[server_command(cfg).index("--kv-transfer-config")
                                            + 1])["kv_connector_extra_config"]
     assert extra["method_config"] == {"tau": "0.9"} and extra["min_span"] == 40
-    assert extra["max_namespaces"] == 3
+    assert extra["max_namespaces"] == 3 and extra["session_state_bytes"] == 0
     assert flags  # pairs parsed: the command is flag/value shaped
     env = server_env(Path("/tmp/stats.json"))
     assert env["KVCMAS_STATS_FILE"] == "/tmp/stats.json"

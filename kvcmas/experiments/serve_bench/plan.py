@@ -141,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-bytes", type=int, default=DEFAULT_STORE_BYTES,
                    help="bound of the connector's span store (per instance): at long S it "
                         "must hold the sources of every session in flight")
+    p.add_argument("--session-state-bytes", type=int, default=None,
+                   help="bound of a method's per-session state (reference prefills, bases; "
+                        "per instance): to keep it, hold every session in flight")
     p.add_argument(
         "--instances", type=int, default=1,
         help="N servers per method (the cores split between them) behind vllm-router, "
@@ -161,7 +164,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --sessions >= 1, --output-tokens >= 1 and --warmup >= 0")
     if args.idle_sessions < 1 or args.probe_sessions < 1 or args.search_probes < 1:
         raise UsageError("need --idle-sessions, --probe-sessions and --search-probes >= 1")
-    check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes)
+    check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
+                session_state_bytes=args.session_state_bytes)
     if args.cell_time_s <= 0 or args.drain_s < 0:
         raise UsageError("need --cell-time-s > 0 and --drain-s >= 0")
     if args.instances != 1:

@@ -259,7 +259,7 @@ def method_server(
         folder, name, method.server_method, args.dtype, port=check_port(0, "127.0.0.1"),
         kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
         max_model_len=max_model_len,
-        method_options=method.options or None,
+        method_options=method.options or None, session_state_bytes=args.session_state_bytes,
     )  # fmt: skip
     if args.instances != 1:
         log(f"{method.name}: starting {args.instances} vLLM instances with the connector "
@@ -327,6 +327,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "drain_s": args.drain_s,
             "kv_cache_bytes": args.kv_cache_bytes,
             "store_bytes": args.store_bytes,
+            "session_state_bytes": args.session_state_bytes,
             "source": args.source,
             "methods": {
                 m.name: {"server_method": m.server_method, "options": m.options}
