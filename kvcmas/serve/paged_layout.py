@@ -49,9 +49,7 @@ def packing_for_isa(isa: str) -> str:
     return "amx" if isa == "amx" else "vec"
 
 
-def _kv_views(layer_cache: torch.Tensor, packing: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of one layer's cache in the packing's own dimensions (see the module docstring),
-    block first and head second; both alias the cache's storage."""
+def _check_cache(layer_cache: torch.Tensor, packing: str) -> None:
     if packing not in PACKINGS:
         raise PagedLayoutError(f"unknown packing {packing!r} (one of {', '.join(PACKINGS)})")
     if layer_cache.dim() != 4 or layer_cache.shape[-1] % 2:
@@ -61,42 +59,20 @@ def _kv_views(layer_cache: torch.Tensor, packing: str) -> tuple[torch.Tensor, to
         )
     if not layer_cache.is_contiguous():
         raise PagedLayoutError("layer_cache must be contiguous (vLLM's own cache tensor)")
-    num_blocks, heads, block_size, two_d = layer_cache.shape
-    head_dim = two_d // 2
-    halves = layer_cache.view(num_blocks, heads, 2, block_size * head_dim)
-    k_half, v_half = halves[:, :, 0], halves[:, :, 1]
-    if packing == "vec":
-        return (k_half.view(num_blocks, heads, head_dim, block_size),
-                v_half.view(num_blocks, heads, block_size, head_dim))  # fmt: skip
-    rows, pair = _AMX_TILE_ROWS, _AMX_PAIR
-    if block_size % rows or head_dim % rows:
+    _, _, block_size, two_d = layer_cache.shape
+    rows = _AMX_TILE_ROWS
+    if packing == "amx" and (block_size % rows or (two_d // 2) % rows):
         raise PagedLayoutError(
             f"the amx packing needs block_size and head_dim divisible by {rows}, "
-            f"got {block_size} and {head_dim}"
+            f"got {block_size} and {two_d // 2}"
         )
-    k_view = k_half.view(num_blocks, heads, block_size // rows, head_dim // pair, rows, pair)
-    v_view = v_half.view(num_blocks, heads, head_dim // rows, block_size // pair, rows, pair)
-    return k_view, v_view
 
 
-def _token_index(packing: str, blocks: torch.Tensor, offsets: torch.Tensor, head_dim: int):
-    """Per view (K, V): the index selecting the tokens (block, offset), and the trailing
-    shape of what it selects. The selection is ``[length, heads, *tail]`` (advanced indices
-    separated by a slice put the token axis first), and ``tail`` flattens to ``head_dim`` in
-    channel order."""
-    if packing == "vec":
-        return (((blocks, slice(None), slice(None), offsets), (head_dim,)),
-                ((blocks, slice(None), offsets), (head_dim,)))  # fmt: skip
-    rows, pair = _AMX_TILE_ROWS, _AMX_PAIR
-    k_index = (blocks, slice(None), offsets // rows, slice(None), offsets % rows)
-    v_index = (blocks, slice(None), slice(None), offsets // pair, slice(None), offsets % pair)
-    return (k_index, (head_dim // pair, pair)), (v_index, (head_dim // rows, rows))
-
-
-def _slots(
+def _span_blocks(
     layer_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block id, offset in block) of each position in [start, start + length)."""
+) -> tuple[torch.Tensor, int]:
+    """The ids of the blocks covering positions [start, start + length), in order, and the
+    span's offset in the first of them."""
     if start < 0 or length < 0:
         raise PagedLayoutError(f"span start and length must be >= 0, got {start}, {length}")
     num_blocks, _, block_size, _ = layer_cache.shape
@@ -107,13 +83,30 @@ def _slots(
             f"span [{start}, {start + length}) needs {needed} blocks of {block_size} tokens "
             f"but the block table has {table.numel()}"
         )
-    positions = torch.arange(start, start + length)
-    blocks = table[positions // block_size]
+    first = start // block_size if length else needed
+    blocks = table[first:needed]
     if length and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
         raise PagedLayoutError(
             f"block ids of the span must lie in [0, {num_blocks}), got {blocks.unique().tolist()}"
         )
-    return blocks, positions % block_size
+    return blocks, start - first * block_size
+
+
+def _unpacked_halves(blocks: torch.Tensor, packing: str) -> list[torch.Tensor]:
+    """K and V of whole blocks ``[n, heads, block_size, 2 * head_dim]`` (packed), each as a
+    view ``[heads, n, ...]`` whose trailing dims flatten to (token in block, channel): a
+    permutation of the packed storage, no copy."""
+    n, heads, block_size, two_d = blocks.shape
+    head_dim = two_d // 2
+    halves = blocks.view(n, heads, 2, block_size * head_dim)
+    k_half, v_half = halves[:, :, 0], halves[:, :, 1]
+    if packing == "vec":  # K [d, t], V [t, d]
+        return [k_half.view(n, heads, head_dim, block_size).permute(1, 0, 3, 2),
+                v_half.view(n, heads, block_size, head_dim).permute(1, 0, 2, 3)]  # fmt: skip
+    rows, pair = _AMX_TILE_ROWS, _AMX_PAIR  # K [t//16, d//2, t%16, d%2], V [d//16, t//2, d%16, t%2]
+    k = k_half.view(n, heads, block_size // rows, head_dim // pair, rows, pair)
+    v = v_half.view(n, heads, head_dim // rows, block_size // pair, rows, pair)
+    return [k.permute(1, 0, 2, 4, 3, 5), v.permute(1, 0, 3, 5, 2, 4)]
 
 
 def read_span(
@@ -129,13 +122,17 @@ def read_span(
 
     Returns ``(k, v)``, each ``[kv_heads, length, head_dim]`` in the cache's dtype.
     """
-    k_view, v_view = _kv_views(layer_cache, packing)
-    blocks, offsets = _slots(layer_cache, block_ids, start, length)
-    heads, head_dim = layer_cache.shape[1], layer_cache.shape[3] // 2
-    (k_index, _), (v_index, _) = _token_index(packing, blocks, offsets, head_dim)
-    k = k_view[k_index].reshape(length, heads, head_dim)
-    v = v_view[v_index].reshape(length, heads, head_dim)
-    return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    _check_cache(layer_cache, packing)
+    blocks, offset = _span_blocks(layer_cache, block_ids, start, length)
+    _, heads, block_size, two_d = layer_cache.shape
+    # Whole blocks are gathered (contiguous copies) and unpacked in one permuting copy: much
+    # faster than gathering token by token through the packing's strides.
+    chunk = layer_cache.index_select(0, blocks)
+    k, v = (
+        half.reshape(heads, len(blocks) * block_size, two_d // 2)[:, offset : offset + length]
+        for half in _unpacked_halves(chunk, packing)
+    )
+    return k.contiguous(), v.contiguous()
 
 
 def write_span(
@@ -150,8 +147,8 @@ def write_span(
     """Write ``k`` and ``v`` (``[kv_heads, length, head_dim]``) into one layer's paged cache
     packed as ``packing``, at positions [start, start + length), in place. Other slots are
     left untouched."""
-    k_view, v_view = _kv_views(layer_cache, packing)
-    _, heads, _, two_d = layer_cache.shape
+    _check_cache(layer_cache, packing)
+    _, heads, block_size, two_d = layer_cache.shape
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or t.shape[0] != heads or t.shape[2] != two_d // 2:
             raise PagedLayoutError(
@@ -166,7 +163,18 @@ def write_span(
     if k.shape != v.shape:
         raise PagedLayoutError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     length = k.shape[1]
-    blocks, offsets = _slots(layer_cache, block_ids, start, length)
-    (k_index, k_tail), (v_index, v_tail) = _token_index(packing, blocks, offsets, two_d // 2)
-    k_view[k_index] = k.transpose(0, 1).reshape(length, heads, *k_tail)
-    v_view[v_index] = v.transpose(0, 1).reshape(length, heads, *v_tail)
+    blocks, offset = _span_blocks(layer_cache, block_ids, start, length)
+    if not length:
+        return
+    # The covering blocks are rewritten whole, in one permuting copy into a packed staging
+    # tensor and one indexed copy into the cache; the slots around the span in its first and
+    # last block are read back first, so they keep their values.
+    n, end = len(blocks), offset + length
+    edges = _unpacked_halves(layer_cache.index_select(0, blocks[[0, -1]]), packing)
+    tail = block_size + end - (n - 1) * block_size  # in the two edge blocks' token order
+    chunk = layer_cache.new_empty((n, heads, block_size, two_d))
+    for half, edge, x in zip(_unpacked_halves(chunk, packing), edges, (k, v), strict=True):
+        edge = edge.reshape(heads, 2 * block_size, two_d // 2)
+        tokens = torch.cat((edge[:, :offset], x, edge[:, tail:]), dim=1)
+        half.copy_(tokens.view(half.shape))
+    layer_cache.index_copy_(0, blocks, chunk)
