@@ -142,7 +142,8 @@ def test_merge_draws_every_parts_methods_on_one_frontier_plot(tmp_path):
     from kvcmas.experiments import pareto
 
     a = _part(tmp_path, "a", [("kvcmas", "k1", 3.0, 0.01)])
-    b = _part(tmp_path, "b", [("headrecompute", "h1", 4.0, 0.001)], machine="other cpu")
+    b = _part(tmp_path, "b", [("headrecompute", "h1", 4.0, 0.001)], machine="other cpu",
+              dtype="fidelity fp32, timing none")
     out = tmp_path / "merged"
     assert pareto.run(parse("--merge", a, b, "--out", str(out))) == 0
     merged = json.loads((out / "results.json").read_text())
@@ -153,7 +154,8 @@ def test_merge_draws_every_parts_methods_on_one_frontier_plot(tmp_path):
     assert merged["setup"]["machine"] == "differs per part (see parts)"
     assert merged["wall_s"] == 120.0
     table = (out / "table.md").read_text()
-    assert "| k1 |" in table and table.count(" part |") == 1 and f"`{b}` (other cpu" in table
+    assert "| k1 |" in table and table.count(" part |") == 1
+    assert f"`{b}` (fidelity fp32, timing none; other cpu" in table
     assert (out / "pareto_64.png").is_file()
 
 

@@ -19,9 +19,11 @@ from kvcmas.experiments.common import read_results
 from kvcmas.experiments.pareto.report import REFERENCES
 
 SAME_WORKLOAD = (
-    "model", "dtype", "agents", "output_tokens", "warmup_requests", "measured_requests",
-    "source", "split",
+    "model", "agents", "output_tokens", "warmup_requests", "measured_requests", "source", "split",
 )  # fmt: skip
+# Kept per part: where and in what dtype it was timed (fidelity is always fp32; a part run
+# with --no-timing adds fidelity rows only).
+PER_PART = ("machine", "dtype")
 
 
 def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -62,9 +64,10 @@ def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                 seen[key] = d
                 rows.append({**row, "part": i})
     setup = {**first["setup"], "sizes": sorted(by_size)}
-    setup["machine"] = _common(parts, "machine")
+    setup.update({key: _common(parts, key) for key in PER_PART})
     setup["parts"] = [
-        {"part": i, "dir": d, "wall_s": r.get("wall_s"), "machine": r["setup"].get("machine"),
+        {"part": i, "dir": d, "wall_s": r.get("wall_s"),
+         **{key: r["setup"].get(key) for key in PER_PART},
          "labels": sorted({p["label"] for s in r["sizes"] for p in s["points"]})}
         for i, (d, r) in enumerate(parts, start=1)
     ]  # fmt: skip

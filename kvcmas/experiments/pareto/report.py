@@ -146,7 +146,7 @@ def _parts_lines(parts: list[dict[str, Any]]) -> list[str]:
              "a ratio to its own part's NonShared timing:", ""]
     for p in parts:
         wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
-        lines.append(f"* part {p['part']}: `{p['dir']}` ({p['machine']}{wall})")
+        lines.append(f"* part {p['part']}: `{p['dir']}` ({p['dtype']}; {p['machine']}{wall})")
     return lines
 
 
