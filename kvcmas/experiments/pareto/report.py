@@ -73,12 +73,14 @@ def uncovered(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], axis: st
 
 
 def headline_against(rows: list[dict[str, Any]], axis: str) -> dict[str, list[str]]:
-    """Per other method (references aside): its points KVCMAS's points do not cover."""
+    """Per other method (references aside) with points on ``axis``: its points KVCMAS's
+    points do not cover. A method with no timed point gets no verdict (not a vacuous one)."""
     mine = [r for r in rows if r["method"] == HEADLINE]
     if not _placed(mine, axis):
         return {}
-    others = [m for m in _methods(rows) if m != HEADLINE]
-    return {m: uncovered(mine, [r for r in rows if r["method"] == m], axis) for m in others}
+    others = {m: [r for r in rows if r["method"] == m] for m in _methods(rows) if m != HEADLINE}
+    return {m: uncovered(mine, theirs, axis) for m, theirs in others.items()
+            if _placed(theirs, axis)}  # fmt: skip
 
 
 def within_floor(rows: list[dict[str, Any]], axis: str) -> dict[str, str]:
