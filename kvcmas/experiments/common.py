@@ -144,6 +144,32 @@ def read_results(folder: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, json.loads(path.read_text())
 
 
+def read_parts(
+    dirs: list[str], keys: set[str], command: str, absent: frozenset[str] = frozenset()
+) -> list[tuple[str, dict[str, Any]]]:
+    """``--merge DIR...``: each folder with its results.json, which must hold ``keys`` and
+    none of ``absent`` (the shape of a ``command`` run)."""
+    if not dirs:
+        raise UsageError("--merge needs at least one results folder")
+    parts = []
+    for d in dirs:
+        path, results = read_results(d)
+        if not keys <= results.keys() or absent & results.keys():
+            raise UsageError(f"{path} is not a `{command}` run")
+        parts.append((str(d), results))
+    return parts
+
+
+def check_same_setup(parts: list[tuple[str, dict[str, Any]]], keys: Sequence[str]) -> None:
+    """Merged parts must agree with the first on every setup key in ``keys``."""
+    (first_dir, first), *rest = parts
+    for d, r in rest:
+        for key in keys:
+            mine, theirs = r["setup"].get(key), first["setup"].get(key)
+            if mine != theirs:
+                raise UsageError(f"cannot merge {d} into {first_dir}: {key} {mine!r} != {theirs!r}")
+
+
 def render(out_dir, results: dict[str, Any], markdown: Callable, plot: Callable) -> None:
     """Write a results dict's JSON, table and plots to ``out_dir`` and print the table."""
     out = Path(out_dir)

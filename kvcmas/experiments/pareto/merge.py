@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcmas.errors import UsageError
-from kvcmas.experiments.common import read_results
+from kvcmas.experiments import common
 from kvcmas.experiments.pareto.report import REFERENCES
 
 SAME_WORKLOAD = (
@@ -27,26 +27,14 @@ PER_PART = ("machine", "dtype")
 
 
 def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Each folder's results.json, checked to be a pareto run."""
-    if not dirs:
-        raise UsageError("--merge needs at least one results folder")
-    parts = []
-    for d in dirs:
-        path, results = read_results(d)
-        if not {"setup", "sizes"} <= results.keys() or "cells" in results:
-            raise UsageError(f"{path} is not a `kvcmas bench pareto` run")
-        parts.append((str(d), results))
-    return parts
+    """Each folder's results.json, checked to be a pareto run (not a serving run's cells)."""
+    return common.read_parts(dirs, {"setup", "sizes"}, "kvcmas bench pareto", frozenset({"cells"}))
 
 
 def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The merged results, shaped as one run's, each row with its ``part`` (1-based)."""
-    (first_dir, first), *rest = parts
-    for d, r in rest:
-        for key in SAME_WORKLOAD:
-            mine, theirs = r["setup"].get(key), first["setup"].get(key)
-            if mine != theirs:
-                raise UsageError(f"cannot merge {d} into {first_dir}: {key} {mine!r} != {theirs!r}")
+    common.check_same_setup(parts, SAME_WORKLOAD)
+    first = parts[0][1]
     by_size: dict[int, list[dict[str, Any]]] = {}
     seen: dict[tuple[int, str], str] = {}
     for i, (d, r) in enumerate(parts, start=1):

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from kvcmas.errors import UsageError
-from kvcmas.experiments.common import read_results
+from kvcmas.experiments import common
 
 SAME_TRACE = (
     "model", "dtype", "engine", "instances", "workflow", "agents", "output_tokens", "source",
@@ -32,24 +32,7 @@ CAPACITY_RTOL = 0.01
 
 def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """Each folder's results.json, checked to be a serving run."""
-    if not dirs:
-        raise UsageError("--merge needs at least one results folder")
-    parts = []
-    for d in dirs:
-        path, results = read_results(d)
-        if not {"setup", "capacity", "cells"} <= results.keys():
-            raise UsageError(f"{path} is not a `kvcmas bench serve` run")
-        parts.append((str(d), results))
-    return parts
-
-
-def _check_trace(parts: list[tuple[str, dict[str, Any]]]) -> None:
-    (first_dir, first), *rest = parts
-    for d, r in rest:
-        for key in SAME_TRACE:
-            mine, theirs = r["setup"].get(key), first["setup"].get(key)
-            if mine != theirs:
-                raise UsageError(f"cannot merge {d} into {first_dir}: {key} {mine!r} != {theirs!r}")
+    return common.read_parts(dirs, {"setup", "capacity", "cells"}, "kvcmas bench serve")
 
 
 def _methods(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, dict]:
@@ -97,7 +80,7 @@ def _setting(parts: list[tuple[str, dict[str, Any]]], key: str) -> Any:
 
 def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The merged results, shaped as one run's (see the module docstring)."""
-    _check_trace(parts)
+    common.check_same_setup(parts, SAME_TRACE)
     methods = _methods(parts)
     capacity = _capacity(parts)
     cells, pools, server, seen = [], [], [], {}
