@@ -55,3 +55,28 @@ def test_the_claim_leaves_the_last_prompt_token_to_vllm():
     index = index_with(("a", "x", tokens, 64, 64))
     claim = plan_claim(index, "S", np.array(tokens), 0, with_spans=True)
     assert claim.end == 63
+
+
+def test_trailing_spans_the_method_recomputes_whole_are_left_to_vllm():
+    system, doc, notes, reply = fresh(1000, 20), fresh(2000, 80), fresh(2500, 40), fresh(3000, 40)
+    first = system + doc + fresh(4000, 5)
+    second = system + doc + notes + fresh(4500, 5)
+    index = index_with(("a", "analyst", first + reply, len(first), len(first)),
+                       ("b", "critic", second, len(second), len(second)))
+    prompt = fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
+    whole = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
+                       recomputes_whole=lambda n: n <= 40)
+    assert [(s.start, s.length) for s in whole.spans] == [(6, 120)]  # document and notes
+    assert [(s.start, s.length, s.slot) for s in whole.engine_spans] == [(126, 40, "out:analyst")]
+    assert whole.end == 126  # vLLM computes the reply and the rest
+    assert whole.cut(100).engine_spans == whole.engine_spans
+    # A span recomputed whole that is not at the end stays in the claim, and so does the
+    # first span even when every span would be (the connector keeps something to build).
+    kept = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
+                      recomputes_whole=lambda n: True)
+    assert len(kept.spans) == 1 and len(kept.engine_spans) == 1
+    middle = plan_claim(index, "S", prompt[:126] + fresh(8000, 3), 0, with_spans=True,
+                        min_span=32, recomputes_whole=lambda n: n <= 40)
+    assert middle.engine_spans == [] and middle.end == 126
+    plain = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32)
+    assert plain.engine_spans == [] and plain.end == 166

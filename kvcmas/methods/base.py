@@ -131,6 +131,13 @@ class Method(ABC):
         """Anchor-pool bytes (measured and analytic) for methods that keep pools; else None."""
         return None
 
+    def recomputes_whole(self, length: int) -> bool:
+        """True when this method computes every (token, layer) pair of a shared span of
+        ``length`` tokens densely, whatever its source and gate. The serving connector leaves
+        such a span at the end of its claim to the engine's own forward: the same dense
+        computation, batched with the engine's other work instead of run in the connector."""
+        return False
+
     def flush(self) -> float:
         """Finish deferred background work (anchor construction); seconds it took here.
         Runs are deterministic after a flush: tests and replays call it between requests."""

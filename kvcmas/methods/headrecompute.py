@@ -37,6 +37,9 @@ class HeadRecompute(Method):
     name = "headrecompute"
     Config = HeadRecomputeConfig
 
+    def recomputes_whole(self, length: int) -> bool:
+        return length <= self.config.head_tokens
+
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if shared.latest is None:
             return dense_shared(seg, shared, model, cache)

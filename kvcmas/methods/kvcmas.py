@@ -185,7 +185,16 @@ class KVCMAS(Method):
         )
         return reference, "reference"
 
+    def recomputes_whole(self, length: int) -> bool:
+        """With graded repair on from entropy 0 (every reuse repairs its head), a span no
+        longer than the head: the head would be all of it, so there is nothing to reuse (and
+        no anchor of it would ever serve)."""
+        c = self.kvcmas_config()
+        return c.repair_max > 0 and c.repair_from == 0 and length <= c.repair_head
+
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
+        if self.recomputes_whole(len(seg)):  # no match, no correction, no anchor
+            return dense_shared(seg, shared, model, cache)
         source, source_agent = self.source(hop, shared, model)
         if source is None:  # the first consumer: exact dense prefill, nothing to learn from
             return dense_shared(seg, shared, model, cache)

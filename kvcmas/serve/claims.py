@@ -18,7 +18,7 @@ No vllm import here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvcmas.serve.range_builder import SourceRef, SpanPiece
@@ -37,6 +37,7 @@ class Claim:
     exact_key: str | None = None
     exact_end: int = 0
     spans: list[SpanPiece] = field(default_factory=list)
+    engine_spans: list[SpanPiece] = field(default_factory=list)  # after ``end``: vLLM's
 
     @property
     def length(self) -> int:
@@ -54,7 +55,8 @@ class Claim:
         for s in self.spans:
             if s.start < end:
                 spans.append(replace(s, length=min(s.length, end - s.start)))
-        return Claim(self.start, end, self.exact_key, min(self.exact_end, end), spans)
+        return Claim(self.start, end, self.exact_key, min(self.exact_end, end), spans,
+                     self.engine_spans)
 
 
 def span_slots(matches) -> list[tuple[str, str]]:
@@ -80,9 +82,11 @@ def plan_claim(
     with_spans: bool,
     min_span: int = DEFAULT_MIN_SPAN,
     namespace: str | None = None,
+    recomputes_whole: Callable[[int], bool] | None = None,
 ) -> Claim | None:
     """The claim for a prompt of ``session`` (in ``namespace``), or None when the connector
-    supplies nothing. Spans come from the session only; the exact run from the namespace."""
+    supplies nothing. Spans come from the session only; the exact run from the namespace.
+    ``recomputes_whole(length)``: the method's rule for spans it would compute densely."""
     last = len(prompt_ids) - 1  # vLLM must compute the last prompt token itself
     claim = Claim(num_computed, num_computed, exact_end=num_computed)
     exact = index.longest_exact_prefix(namespace, prompt_ids)
@@ -95,6 +99,10 @@ def plan_claim(
             origin = SourceRef(m.origin.key, m.origin.offset, m.origin.agent)
             latest = SourceRef(m.latest.key, m.latest.offset, m.latest.agent)
             claim.spans.append(SpanPiece(m.start, m.length, slot, kind, origin, latest))
+        while len(claim.spans) > 1 and recomputes_whole and recomputes_whole(
+            claim.spans[-1].length
+        ):
+            claim.engine_spans.insert(0, claim.spans.pop())
         if claim.spans:
             claim.end = claim.spans[-1].start + claim.spans[-1].length
     return claim if claim.length > 0 else None

@@ -17,7 +17,8 @@ Flow:
 * At admission of a later request of the session, :func:`kvcmas.serve.claims.plan_claim`
   decides the claim: an exact run continuing a saved request, then (for every method but
   ``exact``) each span of the prompt that equals tokens of an earlier prompt or output of the
-  session, up to the last such span.
+  session, up to the last such span (trailing spans the method would recompute whole are
+  left to vLLM's forward: :mod:`kvcmas.serve.claims`).
 * The worker fills the claim before the forward (``start_load_kv``): an exact run is copied; a
   range with spans is built by the method with kvcmas's own runtime on the same weights
   (:func:`kvcmas.serve.range_builder.build_range`), which holds a second copy of the weights
@@ -55,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from kvcmas.methods.base import ReuseCounts
+from kvcmas.methods.base import ReuseCounts, SegmentRecord
 from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
@@ -171,6 +172,8 @@ class KvcmasConnector(KVConnectorBase_V1):
                 raise ValueError(f"KvcmasConnector: min_span must be >= {GRAM}, "
                                  f"got {self.min_span}")
             self.index = SpanIndex(capacity, bytes_per_token)
+            # Method objects asked only which spans they would recompute whole (claims).
+            self._span_rules: dict[str, Method] = {}
             self._claims: dict[str, tuple[Claim, KvcmasParams]] = {}
             self._claimed: dict[str, Claim] = {}  # admitted claims, until the request ends
             self._pending = KvcmasConnectorMetadata()
@@ -236,6 +239,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         claim = plan_claim(
             self.index, session, request.prompt_token_ids, num_computed_tokens,
             with_spans=method != "exact", min_span=self.min_span, namespace=params.namespace,
+            recomputes_whole=None if method == "exact" else self._span_rule(method),
         )  # fmt: skip
         if claim is not None and claim.spans and num_computed_tokens and (
             session in self._admitted_now
@@ -251,6 +255,13 @@ class KvcmasConnector(KVConnectorBase_V1):
             return 0, False
         self._claims[request.request_id] = (claim, params)
         return claim.length, False
+
+    def _span_rule(self, method: str):
+        """``recomputes_whole`` of the method (the server's, with its options, or another
+        one's defaults, as the worker makes them)."""
+        if method not in self._span_rules:
+            self._span_rules[method] = self._new_method(method)
+        return self._span_rules[method].recomputes_whole
 
     def _note_exact_cap(self, request: Request, session: str, num_computed: int) -> None:
         """In a session holding built KV, vLLM's own prefix hit is exact only as far as a
@@ -276,7 +287,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             request.request_id, session_key(params), params.agent, params.namespace,
             list(blocks.get_block_ids()[0]), claim.start, claim.end,
             list(request.prompt_token_ids[: claim.end]), claim.exact_key, claim.exact_end,
-            list(claim.spans), params.method or self.method,
+            list(claim.spans), params.method or self.method, list(claim.engine_spans),
         )  # fmt: skip
         self._pending.loads.append(LoadOrder(plan, params.test_noise_std))
         self._claimed[request.request_id] = claim
@@ -302,6 +313,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             "method": params.method or self.method,
             "claimed_tokens": claim.length if claim else 0,
             "span_tokens": claim.span_tokens if claim else 0,
+            "engine_span_tokens": sum(p.length for p in claim.engine_spans) if claim else 0,
             "spans": len(claim.spans) if claim else 0,
             "saved_tokens": saved_tokens,
             "store_bytes": self.index.bytes_used,
@@ -485,13 +497,16 @@ class KvcmasConnector(KVConnectorBase_V1):
                 kv = (kv.float() + noise).to(kv.dtype)
             write_span(cache, plan.block_ids, plan.start, kv[0], kv[1], packing=self._packing)
 
-    def _make_method(self, name: str) -> Method:
+    def _new_method(self, name: str) -> Method:
         """A new method object: the server's method takes its configured options, a
         per-request one its defaults."""
         from kvcmas.methods import make_method
 
         options = self.method_options if name == self.method else {}
-        method = make_method(method_for(name), options)
+        return make_method(method_for(name), options)
+
+    def _make_method(self, name: str) -> Method:
+        method = self._new_method(name)
         # Sessions interleave here: their per-session values must outlive other sessions' hops.
         method.session_state.max_bytes = self.session_state_bytes
         return method
@@ -515,8 +530,13 @@ class KvcmasConnector(KVConnectorBase_V1):
         start = time.perf_counter()
         records = build_range(plan, method, model, layers, self._read_source, self._packing)
         seconds = time.perf_counter() - start
-        shared = [r for r in records if r.slot is not None]
-        counts = ReuseCounts.of(records, model.config.n_layers)  # the one definition of reuse
+        n_layers = model.config.n_layers
+        shared = [r for r in records if r.slot is not None] + [
+            SegmentRecord(p.slot, p.kind, p.start, p.length, "dense", p.length * n_layers,
+                          details={"computed_by": "engine"})
+            for p in plan.engine_spans
+        ]  # fmt: skip
+        counts = ReuseCounts.of(shared, n_layers)  # the one definition of reuse
         s = self._stats
         s["built_requests"] += 1
         s["span_tokens"] += counts.shared_tokens
@@ -526,8 +546,9 @@ class KvcmasConnector(KVConnectorBase_V1):
         spans = [{"slot": r.slot, "kind": r.kind, "start": r.start, "length": r.length,
                   "decision": r.decision,
                   "served_tokens": r.served_tokens, "computed_pairs": r.computed_pairs,
-                  "entropy": r.entropy, "origin": p.origin.key, "latest": p.latest.key}
-                 for r, p in zip(shared, plan.spans, strict=True)]
+                  "entropy": r.entropy, "origin": p.origin.key, "latest": p.latest.key,
+                  "computed_by": r.details.get("computed_by", "connector")}
+                 for r, p in zip(shared, plan.spans + plan.engine_spans, strict=True)]
         s["builds"].append({
             "request_id": plan.request_id, "session": plan.session, "agent": plan.agent,
             "namespace": plan.namespace, "method": plan.method, "start": plan.start,

@@ -70,6 +70,9 @@ class RangePlan:
     exact_end: int = 0
     spans: list[SpanPiece] = field(default_factory=list)
     method: str = "exact"  # the method that builds the spans
+    # Spans after the claim that the method would recompute whole: vLLM computes them (they
+    # are recorded with the build, so reuse counts them).
+    engine_spans: list[SpanPiece] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.exact_end = max(self.exact_end, self.start)
@@ -80,6 +83,8 @@ class RangePlan:
                 raise ValueError(f"request {self.request_id}: spans overlap or are empty")
         if bounds[-1][1] > self.end or len(self.token_ids) < self.end:
             raise ValueError(f"request {self.request_id}: spans run past the claimed range")
+        if any(s.start < self.end for s in self.engine_spans):
+            raise ValueError(f"request {self.request_id}: an engine span inside the claim")
 
 
 # The worker's span store as the builder sees it: per saved request, K and V of every layer
