@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas.kv.lowrank import energy_rank, factorize
+from kvcmas.kv.lowrank import MatrixBuffer, as_matrices, energy_rank, factorize
 from kvcmas.methods.anchors import AnchorPool, PoolConfig
 
 
@@ -163,3 +163,13 @@ def test_match_distances_do_not_depend_on_how_many_layers_expand_at_once(monkeyp
     a = pool.anchors[1]
     gap = (x[:, :6] - a.base_k.rows(6)).abs().mean(dim=(0, 2)) / x[:, :6].abs().mean((0, 2))
     torch.testing.assert_close(whole.span_distance[1], gap.mean(), atol=1e-6, rtol=1e-6)
+
+
+def test_matrix_buffer_gives_as_matrices_values_in_one_reused_buffer():
+    buffer = MatrixBuffer()
+    long, short = torch.randn(3, 2, 9, 4).bfloat16(), torch.randn(3, 2, 5, 4).bfloat16()
+    first = buffer.matrices(long)
+    assert torch.equal(first, as_matrices(long)) and first.dtype == torch.float32
+    again = buffer.matrices(short)  # fits: written over the same storage
+    assert torch.equal(again, as_matrices(short)) and again.data_ptr() == first.data_ptr()
+    assert buffer.nbytes() == 3 * 9 * 8 * 4

@@ -98,6 +98,26 @@ def test_correction_in_a_bf16_cache_stays_bf16_and_still_corrects(tiny_pair):
     assert err < 0.1 * (fs.cache.k[:, :, :n].float() - ref).norm()
 
 
+def test_anchors_a_hop_records_do_not_depend_on_its_other_spans(tiny_pair):
+    """Every span's source is matched from one reused buffer; a dense fallback's anchor keeps
+    its own copy, so two fallbacks in one hop record what each records alone."""
+    _, model = tiny_pair
+    q1, q2 = (tuple(torch.randint(30, 128, (10,)).tolist()) for _ in range(2))  # equal lengths
+    shared = {"q1": SharedSegment("q1", "query", q1), "q2": SharedSegment("q2", "query", q2)}
+
+    def recorded_base(parts):
+        kv = make_method("kvcmas", tau=2.0, min_anchors=1, rank=0, base_rank=0)
+        run_hop(kv, model, "a", PREFIX_A, parts, shared, "s0", 0)
+        b = run_hop(kv, model, "b", PREFIX_B, parts, shared, "s0", 1)  # empty pools: dense
+        assert {r.slot: r.decision for r in b.records if r.slot} == dict.fromkeys(
+            [p for p in parts if isinstance(p, str)], "dense"
+        )
+        return kv.pools[("q1", "b")].anchors[0].base_k.a
+
+    together = recorded_base(["q1", TAIL, "q2", TAIL])
+    assert torch.equal(recorded_base(["q1", TAIL]), together)
+
+
 def test_gate_needs_min_anchors_and_records_entropy(tiny_pair):
     _, model = tiny_pair
     kv = make_method("kvcmas", tau=2.0, min_anchors=3)

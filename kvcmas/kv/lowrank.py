@@ -12,12 +12,36 @@ from dataclasses import dataclass
 import torch
 
 
-def as_matrices(x: torch.Tensor) -> torch.Tensor:
-    """``[L, H, n, Dh]`` -> ``[L, n, H*Dh]`` (float32)."""
+def as_matrices(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[L, H, n, Dh]`` -> ``[L, n, H*Dh]`` (float32), written into ``out`` when given."""
     n_layers, heads, n, dh = x.shape
+    if out is not None:  # one strided, widening copy, no temporary
+        out.view(n_layers, n, heads, dh).copy_(x.permute(0, 2, 1, 3))
+        return out
     # Reordered in the source dtype, then widened: one strided pass over the narrow type
     # (a bf16 2K-token span: 23 against 38 ms); the same values.
     return x.permute(0, 2, 1, 3).reshape(n_layers, n, heads * dh).float()
+
+
+class MatrixBuffer:
+    """``as_matrices`` into one float32 buffer reused from call to call, grown to the longest
+    input seen. A 2K-token span's matrices are 45 MB; freshly allocated, the allocator maps
+    them anew and the copy faults them in page by page (measured on the 2-core AMX host:
+    40-220 ms for K and V of a 2.3K-token span, against about 9 ms into a reused buffer).
+    What ``matrices`` returns is overwritten by its next call: clone what you keep."""
+
+    def __init__(self) -> None:
+        self._flat = torch.empty(0)
+
+    def matrices(self, x: torch.Tensor) -> torch.Tensor:
+        n_layers, heads, n, dh = x.shape
+        size = n_layers * n * heads * dh
+        if self._flat.numel() < size:
+            self._flat = torch.empty(size)
+        return as_matrices(x, out=self._flat[:size].view(n_layers, n, heads * dh))
+
+    def nbytes(self) -> int:
+        return self._flat.numel() * self._flat.element_size()
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcmas.kv.lowrank import as_matrices
+from kvcmas.kv.lowrank import MatrixBuffer, as_matrices
 from kvcmas.kv.segment import SegmentKV
 from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.background import MODES, BackgroundWork
@@ -150,6 +150,8 @@ class KVCMAS(Method):
         self.pools: dict[tuple[str, str], AnchorPool] = {}
         self.background = BackgroundWork(c.background)
         self._pending: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, SegmentKV]] = []
+        # The source's K and V as matrices, for the match and the correction of every span.
+        self._source_k, self._source_v = MatrixBuffer(), MatrixBuffer()
 
     def kvcmas_config(self) -> KVCMASConfig:
         """The full option set (KVCOMM fixes the options where its paper differs)."""
@@ -162,7 +164,8 @@ class KVCMAS(Method):
         return sum(p.nbytes() for p in self.pools.values())
 
     def memory_bytes(self) -> int:
-        return self.pool_bytes() + super().memory_bytes()  # + the session's references
+        matching = self._source_k.nbytes() + self._source_v.nbytes()  # reused, kept between hops
+        return self.pool_bytes() + matching + super().memory_bytes()  # + the session's references
 
     def pool(self, slot: str, agent: str) -> AnchorPool:
         key = (slot, agent)
@@ -201,7 +204,7 @@ class KVCMAS(Method):
         key = (seg.slot, hop.agent)
         self.background.wait_for(key)  # anchors recorded earlier must be in the pool
         pool = self.pool(*key)
-        xk, xv = as_matrices(source.k[1:]), as_matrices(source.v[1:])
+        xk, xv = self._source_k.matrices(source.k[1:]), self._source_v.matrices(source.v[1:])
         match = None
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
@@ -228,7 +231,7 @@ class KVCMAS(Method):
         rec = dense_shared(seg, shared, model, cache, entropy)
         rec.details = {"source": source_agent, "anchors": len(pool.anchors)}
         dense = SegmentKV.from_cache(cache, rec.start, rec.start + rec.length, model.inv_freq)
-        self._pending.append((key, xk, xv, dense))
+        self._pending.append((key, xk.clone(), xv.clone(), dense))  # the buffers are reused
         return rec
 
     def _repair(self, hop, seg, model, cache, rec: SegmentRecord) -> None:
