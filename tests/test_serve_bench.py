@@ -413,6 +413,10 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
     # Bytes per anchor token: kvcmas 512, kvcomm-v10 3072, kvcomm 4096; ratios are theirs / mine.
     assert "| kvcmas | 512 | 10 | 2 | 4 (2) | 2048 | 1.0 | 2.0 | 512 | 6.00 | 8.00 |" in table
     assert "| kvcomm | 512 | 20 | 2 | 4 (2) | 2048 | 8.0 | 16.0 | 4096 | 0.75 | 1.00 |" in table
+    # A kvcomm server given pool_size=10 is the V=10 reference: columns follow V, not names.
+    results["pools"] = [pool_report("kvcmas", 10, 1 << 20, 2048),
+                        pool_report("kvcomm", 10, 3 << 20, 1024)]  # fmt: skip
+    assert "| 512 | 6.00 | - |" in markdown(results).split("| kvcmas | 512 | 10 |")[1]
     plot(results, tmp_path)
     for name in ("ttft_vs_load", "ttft_vs_size", "chained_vs_nonchained", "memory_vs_size"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0

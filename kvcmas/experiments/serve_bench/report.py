@@ -77,7 +77,8 @@ def capacity_lines(results: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-KVCOMM_POOLS = ("kvcomm-v10", "kvcomm")  # the references of the pool-bytes ratio: V=10, V=20
+KVCOMM_SERVERS = ("kvcomm-v10", "kvcomm")  # the references of the pool-bytes ratio
+REFERENCE_V = (10, 20)  # by the V a KVCOMM server ran with, whatever its name
 
 
 def _per_token(report: dict[str, Any]) -> float | None:
@@ -90,8 +91,10 @@ def pool_lines(results: dict[str, Any]) -> list[str]:
     reports = results.get("pools") or []
     if not reports:
         return []
-    refs = {(r["method"], r["size"]): _per_token(r) for r in reports if r["method"] in KVCOMM_POOLS}
-    heads = " | ".join(f"KVCOMM V={v} / this, per anchor token" for v in (10, 20))
+    refs = {
+        (r["pool_size"], r["size"]): _per_token(r) for r in reports if r["method"] in KVCOMM_SERVERS
+    }
+    heads = " | ".join(f"KVCOMM V={v} / this, per anchor token" for v in REFERENCE_V)
     lines = [
         "", "## Anchor pools", "",
         "After a method's cells at S, its namespace's pools: one per (producer slot, consumer "
@@ -106,9 +109,9 @@ def pool_lines(results: dict[str, Any]) -> list[str]:
     for r in reports:
         mine = _per_token(r)
         ratios = [
-            "-" if mine is None or refs.get((ref, r["size"])) is None
-            else f"{refs[(ref, r['size'])] / mine:.2f}"
-            for ref in KVCOMM_POOLS
+            "-" if mine is None or refs.get((v, r["size"])) is None
+            else f"{refs[(v, r['size'])] / mine:.2f}"
+            for v in REFERENCE_V
         ]
         lines.append(
             f"| {r['method']} | {r['size']} | {r['pool_size']} | {r['pools']} | {r['anchors']} "
