@@ -91,6 +91,11 @@ def test_read_span_returns_what_vllm_wrote(dtype, block_size, table, start, leng
     k_back, v_back = read_span(cache, table, start, length, packing=packing_here(cache))
     assert k_back.shape == (HEADS, length, HEAD_DIM) and k_back.dtype == dtype
     assert torch.equal(k_back, k) and torch.equal(v_back, v)
+    # Read into a caller's tensor (the connector saves all layers into one): the same values.
+    into = torch.full((2, HEADS, length, HEAD_DIM), float("nan"), dtype=dtype)
+    assert read_span(cache, table, start, length, packing=packing_here(cache),
+                     out=(into[0], into[1]))[0].data_ptr() == into.data_ptr()
+    assert torch.equal(into[0], k) and torch.equal(into[1], v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -191,5 +196,8 @@ def test_errors_name_the_problem():
         read_span(cache, [0], -1, 3, **vec)
     with pytest.raises(PagedLayoutError, match="unknown packing 'tiles'"):
         read_span(cache, [0], 0, 3, packing="tiles")
+    into = torch.empty(2, 3, 4, HEAD_DIM)
+    with pytest.raises(PagedLayoutError, match=r"out k must be \(3, 3, 64\) torch.float32"):
+        read_span(cache, [0], 0, 3, out=(into[0], into[1]), **vec)
     with pytest.raises(PagedLayoutError, match="divisible by 16, got 24 and 64"):
         read_span(empty_cache(2, 24, torch.float32), [0], 0, 3, packing="amx")

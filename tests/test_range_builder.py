@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kvcmas.chat import Segment
-from kvcmas.methods import make_method
+from kvcmas.methods import METHODS, make_method
 from kvcmas.methods.base import Hop, HopBuild, SharedSegment
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.range_builder import RangePlan, SourceRef, SpanPiece, build_range, read_context
+from kvcmas.serve.span_store import SpanStore
 from tests.test_baselines import OTHER_PREFIX, PREFIX, SHARED, TAIL, ids, source_kv
 
 BLOCK = 16
@@ -45,12 +46,18 @@ def write_context(layers, block_ids, cache, end, packing=PACKING):
         write_span(layer, block_ids, 0, cache.k[i, :, :end], cache.v[i, :, :end], packing=packing)
 
 
-def reader(saved: dict):
-    def read(key, offset, length):
-        cache = saved[key]
-        return cache.span(offset, offset + length)
+def saved_store(saved: dict) -> SpanStore:
+    """The worker's span store holding each cache of ``saved`` as a finished request."""
+    store = SpanStore()
+    for key, cache in saved.items():
+        store.put(key, torch.stack((cache.k[:, :, : cache.length],
+                                    cache.v[:, :, : cache.length]), dim=1))
+    return store
 
-    return read
+
+def reader(saved: dict):
+    """The connector's reader: views into a span store, as in the server."""
+    return saved_store(saved).read
 
 
 def range_of(layers, block_ids, start, end, packing=PACKING):
@@ -169,6 +176,20 @@ def test_an_exact_run_is_copied_at_its_own_positions(model):
     k, v = range_of(layers, blocks, start, exact_end)
     assert torch.equal(k, earlier.k[:, :, start:exact_end])
     assert torch.equal(v, earlier.v[:, :, start:exact_end])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_no_method_writes_into_the_span_store(model, method):
+    """The store hands out views of saved requests: building ranges (twice, so that methods
+    learning across requests reuse what they learnt) must leave them bitwise as saved."""
+    plan, layers, _ = one_span_range(model)
+    store = saved_store({"src": dense(model, OTHER_PREFIX + SHARED)})
+    before = store.get("src").clone()
+    served = make_method(method)
+    for _ in range(2):
+        build_range(plan, served, model, layers, store.read, PACKING)
+        served.flush()
+    assert torch.equal(store.get("src"), before)
 
 
 def test_a_plan_with_overlapping_or_overlong_spans_is_refused():

@@ -81,12 +81,20 @@ def test_span_index_stays_within_its_byte_bound_evicting_least_recently_used():
         assert index.bytes_used == sum(len(e.token_ids) * 10 for e in index._entries.values())
 
 
-def test_span_store_counts_bytes():
+def test_span_store_counts_bytes_and_reads_views():
     import torch
 
     store = SpanStore()
-    store.put("a", {"l0": torch.zeros(2, 3, 5, 4), "l1": torch.zeros(2, 3, 5, 4)})
+    kv = torch.arange(2 * 2 * 3 * 5 * 4, dtype=torch.float32).view(2, 2, 3, 5, 4)
+    store.put("a", kv)
     assert store.num_bytes == 2 * (2 * 3 * 5 * 4) * 4
+    k, v = store.read("a", 1, 3)
+    assert torch.equal(k, kv[:, 0, :, 1:4]) and torch.equal(v, kv[:, 1, :, 1:4])
+    assert k.data_ptr() == kv[:, 0, :, 1].data_ptr()  # a view: a read copies nothing
+    with pytest.raises(ValueError, match=r"positions \[3, 6\) are outside saved request 'a'"):
+        store.read("a", 3, 3)
+    with pytest.raises(ValueError, match="must be \\[layers, 2, heads, n, D\\]"):
+        store.put("b", torch.zeros(2, 3, 5, 4))
     store.drop("a")
     assert store.num_bytes == 0 and len(store) == 0
     with pytest.raises(KeyError, match="no saved request 'a'"):

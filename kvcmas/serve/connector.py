@@ -428,30 +428,28 @@ class KvcmasConnector(KVConnectorBase_V1):
         return now
 
     def _save(self, order: SaveOrder) -> None:
-        layers = {}
-        for name, cache in self.kv_caches.items():
-            k, v = read_span(cache, order.block_ids, 0, order.num_tokens, packing=self._packing)
-            layers[name] = torch.stack((k, v))
-        self.store.put(order.key, layers)
+        first = self.kv_caches[self._layers[0]]
+        heads, head_dim = first.shape[1], first.shape[3] // 2
+        # One tensor for all layers, each read straight into its place: a fresh allocation
+        # per layer (and a stack) costs page faults in the engine's step.
+        kv = torch.empty(len(self._layers), 2, heads, order.num_tokens, head_dim,
+                         dtype=first.dtype, device=first.device)  # fmt: skip
+        for i, name in enumerate(self._layers):
+            read_span(self.kv_caches[name], order.block_ids, 0, order.num_tokens,
+                      packing=self._packing, out=(kv[i, 0], kv[i, 1]))  # fmt: skip
+        self.store.put(order.key, kv)
         if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
-            self._dump(order.request_id, layers)
+            self._dump(order.request_id, kv)
         self._finished_saving.add(order.request_id)
         self._stats["saved_requests"] += 1
         self._stats["saved_tokens"] += order.num_tokens
 
-    def _dump(self, request_id: str, layers: dict[str, torch.Tensor]) -> None:
+    def _dump(self, request_id: str, kv: torch.Tensor) -> None:
         folder = os.environ.get(DUMP_DIR_ENV)
         if not folder:  # never stop the engine over a test hook
             logger.warning("test_dump for %s ignored: %s is not set", request_id, DUMP_DIR_ENV)
             return
-        kv = torch.stack([layers[name] for name in self._layers])
         torch.save(kv, Path(folder) / f"{request_id}.pt")
-
-    def _read_source(self, key: str, offset: int, length: int):
-        """K and V ``[layers, heads, length, D]`` of a saved request, layers in model order."""
-        saved = self.store.get(key)
-        kv = torch.stack([saved[name][:, :, offset : offset + length] for name in self._layers])
-        return kv[:, 0], kv[:, 1]
 
     def _load_or_report(self, order: LoadOrder) -> None:
         """A failed load must not stop the engine: its blocks are reported, and vLLM
@@ -490,8 +488,9 @@ class KvcmasConnector(KVConnectorBase_V1):
     def _copy_exact(self, plan: RangePlan, noise_std: float) -> None:
         saved = self.store.get(plan.exact_key)
         generator = torch.Generator().manual_seed(0)
-        for name, cache in self.kv_caches.items():
-            kv = saved[name][:, :, plan.start : plan.end]
+        for i, name in enumerate(self._layers):
+            cache = self.kv_caches[name]
+            kv = saved[i, :, :, plan.start : plan.end]
             if noise_std:
                 noise = torch.randn(kv.shape, generator=generator).to(kv.device) * noise_std
                 kv = (kv.float() + noise).to(kv.dtype)
@@ -528,7 +527,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         layers = [self.kv_caches[name] for name in self._layers]
         method = self._methods.get(plan.namespace, plan.method)
         start = time.perf_counter()
-        records = build_range(plan, method, model, layers, self._read_source, self._packing)
+        records = build_range(plan, method, model, layers, self.store.read, self._packing)
         seconds = time.perf_counter() - start
         n_layers = model.config.n_layers
         shared = [r for r in records if r.slot is not None] + [

@@ -116,11 +116,14 @@ def read_span(
     length: int,
     *,
     packing: str,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy the K and V of positions [start, start + length) out of one layer's paged cache
     packed as ``packing``.
 
-    Returns ``(k, v)``, each ``[kv_heads, length, head_dim]`` in the cache's dtype.
+    Returns ``(k, v)``, each ``[kv_heads, length, head_dim]`` in the cache's dtype: new
+    tensors, or ``out`` filled in place (a caller assembling many layers in one tensor
+    saves a copy and an allocation per layer).
     """
     _check_cache(layer_cache, packing)
     blocks, offset = _span_blocks(layer_cache, block_ids, start, length)
@@ -132,7 +135,16 @@ def read_span(
         half.reshape(heads, len(blocks) * block_size, two_d // 2)[:, offset : offset + length]
         for half in _unpacked_halves(chunk, packing)
     )
-    return k.contiguous(), v.contiguous()
+    if out is None:
+        return k.contiguous(), v.contiguous()
+    for name, into, t in (("k", out[0], k), ("v", out[1], v)):
+        if into.shape != t.shape or into.dtype != t.dtype:
+            raise PagedLayoutError(
+                f"out {name} must be {tuple(t.shape)} {t.dtype}, "
+                f"got {tuple(into.shape)} {into.dtype}"
+            )
+        into.copy_(t)
+    return out
 
 
 def write_span(

@@ -89,6 +89,7 @@ class RangePlan:
 
 # The worker's span store as the builder sees it: per saved request, K and V of every layer
 # (in model order) at positions [offset, offset + length), as the paged cache held them.
+# They may be views into the store: nothing here or in a method writes into them.
 ReadSource = Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 

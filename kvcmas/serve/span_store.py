@@ -294,26 +294,41 @@ class SpanIndex:
 
 
 class SpanStore:
-    """Worker-side tensors: per saved request, per layer, K and V stacked [2, heads, n, D]."""
+    """Worker-side tensors: per saved request one tensor ``[layers, 2, heads, n, D]`` (K and
+    V of every layer in model order), so that a span of it is read as views, not copied."""
 
     def __init__(self) -> None:
-        self._kv: dict[str, dict[str, torch.Tensor]] = {}
+        self._kv: dict[str, torch.Tensor] = {}
         self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._kv)
 
-    def put(self, key: str, layers: dict[str, torch.Tensor]) -> None:
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"saved KV must be [layers, 2, heads, n, D], got {tuple(kv.shape)}")
         self.drop(key)
-        self._kv[key] = layers
-        self.num_bytes += sum(t.numel() * t.element_size() for t in layers.values())
+        self._kv[key] = kv
+        self.num_bytes += kv.numel() * kv.element_size()
 
-    def get(self, key: str) -> dict[str, torch.Tensor]:
+    def get(self, key: str) -> torch.Tensor:
         if key not in self._kv:
             raise KeyError(f"span store holds no saved request {key!r}")
         return self._kv[key]
 
+    def read(self, key: str, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[layers, heads, length, D]`` of positions [offset, offset + length) of a
+        saved request: views into the store, which its readers never write into."""
+        kv = self.get(key)
+        if offset < 0 or length < 0 or offset + length > kv.shape[3]:
+            raise ValueError(
+                f"positions [{offset}, {offset + length}) are outside saved request {key!r} "
+                f"of {kv.shape[3]} tokens"
+            )
+        window = kv[:, :, :, offset : offset + length]
+        return window[:, 0], window[:, 1]
+
     def drop(self, key: str) -> None:
-        layers = self._kv.pop(key, None)
-        if layers is not None:
-            self.num_bytes -= sum(t.numel() * t.element_size() for t in layers.values())
+        kv = self._kv.pop(key, None)
+        if kv is not None:
+            self.num_bytes -= kv.numel() * kv.element_size()
