@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas.kv.segment import SegmentKV, place_layers, place_segment
-from kvcmas.model.cache import KVCache
+from kvcmas.kv.segment import SegmentKV, place_segment
 from kvcmas.model.rope import rotate_keys
 
 
@@ -60,25 +59,3 @@ def test_layer0_canonical_kv_is_independent_of_preceding_text(tiny_pair):
     torch.testing.assert_close(a.k[0], b.k[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a.v[0], b.v[0], atol=1e-6, rtol=1e-6)
     assert (a.k[1:] - b.k[1:]).abs().max() > 1e-3  # deeper layers do see the prefix
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_placing_layer_by_layer_equals_placing_the_stacked_segment(tiny_pair, dtype):
-    """KVCMAS writes its corrected layers straight into the cache: bitwise what placing the
-    same layers, stacked and rounded to the cache's dtype, gives (float32 layers in)."""
-    _, ours = tiny_pair
-    layers, heads, n, head_dim = 3, 2, 9, ours.config.head_dim
-    k, v = (torch.randn(layers, heads, n, head_dim) for _ in range(2))
-    caches = []
-    for _ in range(2):
-        cache = KVCache(layers, heads, head_dim, dtype, capacity=4)
-        cache.append(*(torch.randn(layers, heads, 7, head_dim).to(dtype) for _ in range(2)))
-        caches.append(cache)
-    caches[1].k[:, :, :7], caches[1].v[:, :, :7] = caches[0].k[:, :, :7], caches[0].v[:, :, :7]
-    start = place_segment(caches[0], SegmentKV(k.to(dtype), v.to(dtype)), ours.inv_freq)
-    assert place_layers(caches[1], iter(k), iter(v), n, ours.inv_freq) == start == 7
-    assert caches[1].length == caches[0].length == 16
-    assert torch.equal(caches[1].k[:, :, :16], caches[0].k[:, :, :16])
-    assert torch.equal(caches[1].v[:, :, :16], caches[0].v[:, :, :16])
-    with pytest.raises(ValueError, match="placed 2 layers into a cache of 3"):
-        place_layers(caches[1], iter(k[:2]), iter(v[:2]), n, ours.inv_freq)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvcmas.kv.lowrank import MatrixBuffer, as_matrices
-from kvcmas.kv.segment import SegmentKV, place_layers
+from kvcmas.kv.segment import SegmentKV
 from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.background import MODES, BackgroundWork
 from kvcmas.methods.base import (
@@ -28,6 +28,7 @@ from kvcmas.methods.base import (
     SegmentRecord,
     dense_shared,
     kept_standalone_prefill,
+    reuse_shared,
 )
 from kvcmas.methods.config import MethodConfig, option, require
 from kvcmas.methods.repair import SELECTIONS, fraction_count, question_tokens, repair_span
@@ -119,13 +120,15 @@ class KVCMASConfig(MethodConfig):
         )
 
 
-def _with_layers(x: torch.Tensor, layers: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """The layers of ``x [L, H, n, Dh]``: layer 0 as is, then layers 1.. from ``layers``
-    (``[n, H*Dh]`` matrices, one at a time) as ``[H, n, Dh]`` views."""
-    yield x[0]
+def _with_layers(x: torch.Tensor, layers: Iterator[torch.Tensor]) -> torch.Tensor:
+    """``x [L, H, n, Dh]`` with layers 1.. taken from ``layers`` (``[n, H*Dh]`` each, one at a
+    time), in ``x``'s dtype; layer 0 is copied."""
+    out = torch.empty_like(x)
+    out[0] = x[0]
     heads = x.shape[1]
-    for m in layers:
-        yield m.view(m.shape[0], heads, -1).transpose(0, 1)
+    for layer, m in enumerate(layers, start=1):
+        out[layer].copy_(m.view(m.shape[0], heads, -1).transpose(0, 1))
+    return out
 
 
 def _rank(value: int | None) -> int | None:
@@ -207,23 +210,21 @@ class KVCMAS(Method):
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
             # X + correction in fp32 from the matrices the match already made, layer by
-            # layer, rounded once into the cache (layer 0, never corrected, is copied).
-            n = len(seg)
-            if len(source) != n:
-                raise ValueError(f"source of slot {seg.slot!r} has {len(source)} tokens, "
-                                 f"segment {n}")  # fmt: skip
-            start = place_layers(
-                cache,
-                _with_layers(source.k, pool.corrected_layers(match, xk, "k")),
-                _with_layers(source.v, pool.corrected_layers(match, xv, "v")),
-                n,
-                model.inv_freq,
-            )
+            # layer, rounded once into the source's dtype (layer 0, never corrected, is copied).
+            k = _with_layers(source.k, pool.corrected_layers(match, xk, "k"))
+            v = _with_layers(source.v, pool.corrected_layers(match, xv, "v"))
             pool.count_uses(match)
-            details = {"source": source_agent, "anchors": len(match.anchors),
-                       "top_weight": round(float(match.span_weights.max()), 4)}  # fmt: skip
-            rec = SegmentRecord(seg.slot, shared.kind, start, n, "reuse", 0, n, match.entropy,
-                                details)  # fmt: skip
+            rec = reuse_shared(
+                seg,
+                shared,
+                SegmentKV(k, v),
+                model,
+                cache,
+                source=source_agent,
+                anchors=len(match.anchors),
+                top_weight=round(float(match.span_weights.max()), 4),
+            )
+            rec.entropy = match.entropy
             self._repair(hop, seg, model, cache, rec)
             return rec
         entropy = None if match is None else match.entropy
