@@ -430,8 +430,9 @@ class KvcmasConnector(KVConnectorBase_V1):
     def _save(self, order: SaveOrder) -> None:
         first = self.kv_caches[self._layers[0]]
         heads, head_dim = first.shape[1], first.shape[3] // 2
-        # One tensor for all layers, each read straight into its place: a fresh allocation
-        # per layer (and a stack) costs page faults in the engine's step.
+        # One tensor for all layers, each read straight into its place, so that a build
+        # reads a source's spans as views instead of copying every layer (measured at 2K:
+        # 67 ms less per build, 20 ms more per save: one large allocation faulted in anew).
         kv = torch.empty(len(self._layers), 2, heads, order.num_tokens, head_dim,
                          dtype=first.dtype, device=first.device)  # fmt: skip
         for i, name in enumerate(self._layers):
