@@ -33,13 +33,16 @@ def _gap_scratch(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(min(n_layers * n * d, max(_BATCH_FLOATS, n * d)))
 
 
-def _abs_gap(x: torch.Tensor, base: Factors, m: int, scratch: torch.Tensor) -> torch.Tensor:
+def _abs_gap(
+    x: torch.Tensor, base: Factors, m: int, scratch: torch.Tensor | None
+) -> torch.Tensor:
     """Per-token mean ``|x - base|`` over layers and channels, for the first ``m`` tokens.
 
     A low-rank base is expanded as ``x - a @ b`` in one fused GEMM, a few layers at a time
     (at most ``_BATCH_FLOATS`` floats), so a long anchor is never held at full width. The
-    layers are expanded into ``scratch`` (from :func:`_gap_scratch`), reused across anchors:
-    a fresh 16 MB tensor per step costs more in page faults than the GEMM (1.7x at 2K)."""
+    layers are expanded into ``scratch`` (from :func:`_gap_scratch`; only a low-rank base
+    needs it), reused across anchors: a fresh 16 MB tensor per step costs more in page faults
+    than the GEMM (1.7x at 2K)."""
     n_layers, d = x.shape[0], x.shape[2]
     if base.b is None:
         return _abs_mean(x[:, :m] - base.a[:, :m])
@@ -149,7 +152,10 @@ class AnchorPool:
         scale_v = _abs_mean(x_v).clamp_min(1e-12)
         dist = x_k.new_full((len(idx), n), float("inf"))
         span = x_k.new_empty(len(idx))
-        scratch = _gap_scratch(x_k)
+        # Full-width bases (KVCOMM's) are subtracted directly: no scratch for them.
+        low_rank = any(b.b is not None for i in idx
+                       for b in (self.anchors[i].base_k, self.anchors[i].base_v))
+        scratch = _gap_scratch(x_k) if low_rank else None
         for j, i in enumerate(idx):
             a = self.anchors[i]
             m = min(n, a.length)
