@@ -18,7 +18,7 @@ import pytest
 
 from kvcmas import cli
 from kvcmas.errors import UsageError
-from kvcmas.experiments.serve_bench.capacity import search_capacity
+from kvcmas.experiments.serve_bench.capacity import search_capacity, start_rate
 from kvcmas.experiments.serve_bench.load import check_local_url, run_cell
 from kvcmas.experiments.serve_bench.metrics import (
     SessionRecord,
@@ -114,6 +114,13 @@ def test_capacity_search_within_ratio_of_idle_and_unfinished_probes_fail():
     found = search_capacity(measure, 1.0, 0.25, max_probes=8, precision=1.05)
     assert 0.5 / 1.05 <= found.capacity_per_s <= 0.5
     assert any(p.p50_ttft_s is None and not p.passed for p in found.probes)
+
+
+def test_search_starts_where_idle_prefills_would_fill_the_engine():
+    assert start_rate(0.25, 4) == pytest.approx(1.0)  # 4 prefills of 0.25 s per session
+    assert start_rate(1.0, 4) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="idle TTFT"):
+        start_rate(0.0, 4)
 
 
 def test_capacity_search_reports_when_no_rate_passes():

@@ -210,7 +210,10 @@ class KvcmasConnector(KVConnectorBase_V1):
                            # Wall seconds of the worker's step spent here, before vLLM's
                            # forward (the batch waits): saves, loads (copies and builds), and
                            # building deferred anchors.
-                           "save_s": 0.0, "load_s": 0.0, "flush_s": 0.0}
+                           "save_s": 0.0, "load_s": 0.0, "flush_s": 0.0,
+                           # Within load_s: the builds alone (not the exact copies, nor the
+                           # runtime's one-time load at the first build, model_load_s).
+                           "build_s": 0.0, "model_load_s": 0.0}
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -518,7 +521,9 @@ class KvcmasConnector(KVConnectorBase_V1):
             config = self._vllm_config.model_config
             # On the device of vLLM's KV caches: the range is built next to the blocks it fills.
             device = next(iter(self.kv_caches.values())).device
+            start = time.perf_counter()
             self._loaded = load_model(str(config.model), config.dtype, device=str(device))
+            self._stats["model_load_s"] += time.perf_counter() - start
             logger.info("KvcmasConnector: kvcmas runtime loaded %s in %s for %s",
                         config.model, config.dtype, self.method)
         return self._loaded.model
@@ -539,6 +544,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         counts = ReuseCounts.of(shared, n_layers)  # the one definition of reuse
         s = self._stats
         s["built_requests"] += 1
+        s["build_s"] += seconds
         s["span_tokens"] += counts.shared_tokens
         s["served_tokens"] += counts.served_tokens
         s["computed_pairs"] += counts.computed_pairs

@@ -25,7 +25,12 @@ from kvcmas.experiments.context_sweep.documents import source_texts
 from kvcmas.experiments.context_sweep.plan import overhead_tokens, trace_workflow
 from kvcmas.experiments.engine_run import AsyncEngineRunner
 from kvcmas.experiments.machine import machine_description
-from kvcmas.experiments.serve_bench.capacity import CapacitySearch, given_capacity, search_capacity
+from kvcmas.experiments.serve_bench.capacity import (
+    CapacitySearch,
+    given_capacity,
+    search_capacity,
+    start_rate,
+)
 from kvcmas.experiments.serve_bench.cpu_time import cpu_spent, group_cpu_s
 from kvcmas.experiments.serve_bench.load import MemoryPoller, run_cell
 from kvcmas.experiments.serve_bench.metrics import SessionRecord, cell_summary, percentile
@@ -141,11 +146,10 @@ class Bench:
             f"S={size} idle",
         )
         ttfts = [h.ttft_s for r in idle for h in r.hops]
-        latencies = [r.latency_s for r in idle if r.latency_s is not None]
-        if not ttfts or not latencies:
+        if not ttfts or not any(r.complete for r in idle):
             raise UsageError(f"S={size}: no idle session of plain vLLM completed")
         idle_ttft = percentile(ttfts, 50)
-        start_rate = 1.0 / percentile(latencies, 50)  # one session at a time, back to back
+        start = start_rate(idle_ttft, len(self.workflow.order))
         n = self.args.probe_sessions
         probe_docs = iter(docs.probes[i : i + n] for i in range(0, len(docs.probes), n))
 
@@ -162,8 +166,8 @@ class Bench:
             self.log(f"{label}: p50 TTFT {p50:.3f}s (limit {2 * idle_ttft:.3f}s)")
             return p50
 
-        self.log(f"S={size}: idle TTFT p50 {idle_ttft:.3f}s; searching from {start_rate:.3f}/s")
-        found = search_capacity(measure, idle_ttft, start_rate, self.args.search_probes)
+        self.log(f"S={size}: idle TTFT p50 {idle_ttft:.3f}s; searching from {start:.3f}/s")
+        found = search_capacity(measure, idle_ttft, start, self.args.search_probes)
         self.capacity[size] = found
         state = "" if found.found else " (no probe passed: the lowest rate probed)"
         self.log(f"S={size}: plain vLLM's capacity {found.capacity_per_s:.4f} sessions/s{state}")
@@ -304,7 +308,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             server[method.name] = {k: stats.get(k) for k in (
                 "store_bytes", "store_requests", "method_state_bytes", "built_requests",
                 "span_tokens", "served_tokens", "load_errors", "save_s", "load_s",
-                "flush_s")}  # fmt: skip
+                "build_s", "model_load_s", "flush_s")}  # fmt: skip
     return {
         "setup": {
             "model": side.name,
