@@ -152,6 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.min_span is not None and args.min_span < GRAM:
         raise UsageError(f"--min-span must be at least {GRAM} (the span index's token window)")
+    if args.min_gain is not None and not args.min_gain >= 0:
+        raise UsageError(f"--min-gain must be >= 0, got {args.min_gain}")
     if args.instances != 1:
         from kvcmas.serve.cluster import instance_cores, router_binary
 
@@ -162,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
         args.store_bytes, args.max_model_len, options, args.min_span, args.max_namespaces,
-        args.session_state_bytes,
+        args.session_state_bytes, args.min_gain,
     )
     if args.instances != 1:
         from kvcmas.serve.cluster import serve_cluster
@@ -267,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     from kvcmas.serve.launch import DEFAULT_KV_CACHE_BYTES, DEFAULT_STORE_BYTES
-    from kvcmas.serve.params import DEFAULT_NAMESPACES, DEFAULT_SESSION_STATE_BYTES
+    from kvcmas.serve.params import (
+        DEFAULT_MIN_GAIN,
+        DEFAULT_NAMESPACES,
+        DEFAULT_SESSION_STATE_BYTES,
+    )
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
     add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
@@ -286,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--min-span", type=int, default=None,
                    help="shortest shared span the connector reuses, in tokens (default 32)")
+    s.add_argument("--min-gain", type=float, default=None,
+                   help="build a shared span only if it serves at least this many tokens per "
+                        "token the method recomputes of it (its repair head); shorter spans "
+                        f"are left to vLLM's forward (default {DEFAULT_MIN_GAIN:g}, measured "
+                        "on a 2-core CPU: see RESULTS.md; 0 builds every span)")
     s.add_argument("--max-namespaces", type=int, default=None,
                    help="namespaces (tenants) whose method state (anchor pools) the connector "
                         "keeps; the least recently used beyond it is dropped "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcmas.serve.claims import plan_claim
+from kvcmas.serve.claims import SpanRule, plan_claim
 from kvcmas.serve.span_store import SpanIndex
 
 
@@ -57,6 +57,12 @@ def test_the_claim_leaves_the_last_prompt_token_to_vllm():
     assert claim.end == 63
 
 
+def whole_up_to(limit: int) -> SpanRule:
+    """A method that recomputes spans of up to ``limit`` tokens whole, and nothing of longer
+    ones; no minimum gain."""
+    return SpanRule(lambda n: n if n <= limit else 0, min_gain=0.0)
+
+
 def test_trailing_spans_the_method_recomputes_whole_are_left_to_vllm():
     system, doc, notes, reply = fresh(1000, 20), fresh(2000, 80), fresh(2500, 40), fresh(3000, 40)
     first = system + doc + fresh(4000, 5)
@@ -65,18 +71,46 @@ def test_trailing_spans_the_method_recomputes_whole_are_left_to_vllm():
                        ("b", "critic", second, len(second), len(second)))
     prompt = fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
     whole = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
-                       recomputes_whole=lambda n: n <= 40)
+                       span_rule=whole_up_to(40))
     assert [(s.start, s.length) for s in whole.spans] == [(6, 120)]  # document and notes
     assert [(s.start, s.length, s.slot) for s in whole.engine_spans] == [(126, 40, "out:analyst")]
     assert whole.end == 126  # vLLM computes the reply and the rest
     assert whole.cut(100).engine_spans == whole.engine_spans
-    # A span recomputed whole that is not at the end stays in the claim, and so does the
-    # first span even when every span would be (the connector keeps something to build).
-    kept = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
-                      recomputes_whole=lambda n: True)
-    assert len(kept.spans) == 1 and len(kept.engine_spans) == 1
+    # When every span would be, the claim supplies nothing and still records them, so that
+    # reuse counts them; a span recomputed whole that is not at the end stays in the claim.
+    none = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
+                      span_rule=whole_up_to(10**6))
+    assert none.length == 0 and none.spans == [] and len(none.engine_spans) == 2
     middle = plan_claim(index, "S", prompt[:126] + fresh(8000, 3), 0, with_spans=True,
-                        min_span=32, recomputes_whole=lambda n: n <= 40)
+                        min_span=32, span_rule=whole_up_to(40))
     assert middle.engine_spans == [] and middle.end == 126
     plain = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32)
     assert plain.engine_spans == [] and plain.end == 166
+
+
+def test_span_rule_weighs_served_tokens_against_recomputed_ones():
+    head16 = SpanRule(lambda n: min(n, 16), min_gain=4.0)
+    assert head16.worth_building(80)  # serves 64 = 4 x 16
+    assert not head16.worth_building(79)
+    assert not head16.worth_building(16) and not head16.worth_building(10)  # all head
+    assert SpanRule(lambda n: min(n, 16), min_gain=0.0).worth_building(17)
+    assert not SpanRule(lambda n: min(n, 16), min_gain=0.0).worth_building(16)
+    assert SpanRule(lambda n: 0, min_gain=100.0).worth_building(32)  # recomputes nothing
+
+
+def test_spans_below_the_gain_are_left_to_vllm_and_the_rest_claimed():
+    system, doc, notes, reply = fresh(1000, 20), fresh(2000, 80), fresh(2500, 40), fresh(3000, 40)
+    first = system + doc + fresh(4000, 5)
+    second = system + doc + notes + fresh(4500, 5)
+    index = index_with(("a", "analyst", first + reply, len(first), len(first)),
+                       ("b", "critic", second, len(second), len(second)))
+    prompt = fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
+    head16 = SpanRule(lambda n: min(n, 16), min_gain=4.0)
+    claim = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32, span_rule=head16)
+    # document and notes (120 tokens: 104 served per 16 recomputed) are built; the reply
+    # (40: 24 per 16) is left to vLLM
+    assert [(s.start, s.length) for s in claim.spans] == [(6, 120)]
+    assert [(s.start, s.length) for s in claim.engine_spans] == [(126, 40)]
+    strict = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
+                        span_rule=SpanRule(lambda n: min(n, 16), min_gain=7.0))
+    assert strict.length == 0 and len(strict.engine_spans) == 2

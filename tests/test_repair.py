@@ -182,6 +182,7 @@ def test_head_recompute_accounting(model):
     hop = make_hop(model, source_kv(model))
     method = make_method("headrecompute", head_tokens=5)
     assert method.recomputes_whole(5) and not method.recomputes_whole(6)
+    assert method.recomputed_tokens(6) == 5 and method.recomputed_tokens(3) == 3
     _, _, records = build(method, model, hop)
     rec = shared_record(records)
     assert (rec.decision, rec.computed_pairs, rec.served_tokens) == ("partial", 5 * n_layers, n - 5)
@@ -247,7 +248,9 @@ def test_repairing_the_whole_span_is_nonshared(model, options):
     covered = options["repair_head"] >= QUERY_LEN
     assert graded.recomputes_whole(QUERY_LEN) == covered
     assert rec.details.get("repair_budget", 0) > 0 or covered
+    assert graded.recomputed_tokens(100) == options["repair_head"]
     assert not make_method("kvcmas", repair_head=100).recomputes_whole(QUERY_LEN)  # repair off
+    assert make_method("kvcmas", repair_head=100).recomputed_tokens(QUERY_LEN) == 0
 
 
 @pytest.mark.parametrize("select", ["deviation", "attention"])

@@ -164,9 +164,10 @@ def running_server(tmp: Path, dtype: str):
         "kv_connector_module_path": "kvcmas.serve.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        # Each test names its method per request ("exact" by default).
+        # Each test names its method per request ("exact" by default). The cost rule is off
+        # (min_gain 0): these tests check what the methods build, on spans of 32-200 tokens.
         "kv_connector_extra_config": {"store_bytes": STORE_BYTES, "method": "kvcmas",
-                                      "method_config": SERVER_KVCMAS},
+                                      "method_config": SERVER_KVCMAS, "min_gain": 0},
     }
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -512,6 +513,30 @@ def test_kvcmas_runtime_inside_the_claim_agrees_with_vllm(server):
     print(f"max |logprob difference|, {built['end']} tokens built by kvcmas's runtime: {diff:.3g}")
     assert answer.token_ids == reference.token_ids
     assert diff < 1e-3
+
+
+@pytest.mark.vllm
+def test_a_prompt_whose_spans_are_all_left_to_vllm_is_logged_and_exact(server):
+    """KVCMAS with a 48-token repair head recomputes a shorter span whole: the claim then
+    supplies no built tokens (at most an exact run; vLLM computes the rest, so the answer is
+    plain vLLM's), and the span is still logged, as the engine's, so that reuse counts it as
+    dense."""
+    doc = prompt_ids(server, "Nu", facts=2)
+    assert len(doc) <= 40, len(doc)  # with the tokens around it, a span inside the head
+    first = agent_prompt(server, "analyst", doc, "What flows where?")
+    second = agent_prompt(server, "critic", doc, "Which lake is largest?")
+    complete_as(server, first, "S-left", "analyst", "kvcmas")
+    rid, answer = complete_as(server, second, "S-left", "critic", "kvcmas")
+    built = build_of(server, rid)
+    assert built["end"] == built["exact_end"]  # no range for a method to build
+    assert answer.kvcmas["claimed_tokens"] == built["end"] - built["start"]
+    [span] = built["spans"]
+    assert built["seconds"] is None  # nothing was built
+    assert (span["computed_by"], span["decision"], span["served_tokens"]) == ("engine", "dense", 0)
+    assert 32 <= span["length"] <= 48 and span["length"] == answer.kvcmas["engine_span_tokens"]
+    reference = plain(server, second)
+    assert answer.tokens == reference.tokens
+    assert float(np.max(np.abs(answer.logprobs - reference.logprobs))) < 1e-5
 
 
 @pytest.mark.vllm

@@ -131,12 +131,18 @@ class Method(ABC):
         """Anchor-pool bytes (measured and analytic) for methods that keep pools; else None."""
         return None
 
+    def recomputed_tokens(self, length: int) -> int:
+        """Tokens of a shared span of ``length`` this method recomputes through every layer
+        whenever it builds the span, whatever its source and gate (a repaired head): the
+        serving connector's cost rule weighs them against the tokens the span serves."""
+        return 0
+
     def recomputes_whole(self, length: int) -> bool:
         """True when this method computes every (token, layer) pair of a shared span of
         ``length`` tokens densely, whatever its source and gate. The serving connector leaves
-        such a span at the end of its claim to the engine's own forward: the same dense
-        computation, batched with the engine's other work instead of run in the connector."""
-        return False
+        such a span to the engine's own forward: the same dense computation, batched with the
+        engine's other work instead of run in the connector."""
+        return length > 0 and self.recomputed_tokens(length) >= length
 
     def flush(self) -> float:
         """Finish deferred background work (anchor construction); seconds it took here.

@@ -37,8 +37,8 @@ class HeadRecompute(Method):
     name = "headrecompute"
     Config = HeadRecomputeConfig
 
-    def recomputes_whole(self, length: int) -> bool:
-        return length <= self.config.head_tokens
+    def recomputed_tokens(self, length: int) -> int:
+        return min(length, self.config.head_tokens)
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if shared.latest is None:

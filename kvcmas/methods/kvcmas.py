@@ -188,12 +188,12 @@ class KVCMAS(Method):
         )
         return reference, "reference"
 
-    def recomputes_whole(self, length: int) -> bool:
-        """With graded repair on from entropy 0 (every reuse repairs its head), a span no
-        longer than the head: the head would be all of it, so there is nothing to reuse (and
-        no anchor of it would ever serve)."""
+    def recomputed_tokens(self, length: int) -> int:
+        """With graded repair on from entropy 0, every reuse repairs the span's head (and a
+        budget above it that depends on the match). A span no longer than the head is then
+        all head: nothing to reuse, and no anchor of it would ever serve."""
         c = self.kvcmas_config()
-        return c.repair_max > 0 and c.repair_from == 0 and length <= c.repair_head
+        return min(length, c.repair_head) if c.repair_max > 0 and c.repair_from == 0 else 0
 
     def build_shared(self, hop, seg, shared, model, cache) -> SegmentRecord:
         if self.recomputes_whole(len(seg)):  # no match, no correction, no anchor

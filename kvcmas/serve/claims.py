@@ -12,6 +12,10 @@ vLLM lets a connector claim one run of tokens, directly after the prefix vLLM co
    (:meth:`kvcmas.serve.span_store.SpanIndex.find_spans`); the private text between spans is
    computed in the claim by kvcmas's runtime, and the claim ends where the last span ends.
 
+Trailing spans not worth a build (:class:`SpanRule`) are left to vLLM's forward: the claim
+ends before them, and they are recorded as computed by the engine (so reuse counts them as
+dense). A claim may then supply no tokens at all and still carry that record.
+
 vLLM computes the rest of the prompt (at least its last token, to sample from) and decodes.
 No vllm import here.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvcmas.serve.params import DEFAULT_MIN_GAIN
 from kvcmas.serve.range_builder import SourceRef, SpanPiece
 from kvcmas.serve.span_store import SpanIndex
 
@@ -59,6 +64,22 @@ class Claim:
                      self.engine_spans)
 
 
+@dataclass(frozen=True)
+class SpanRule:
+    """Whether the connector builds a shared span or leaves it to vLLM's forward: the span's
+    served tokens (those the method does not recompute) must be at least ``min_gain`` times
+    its recomputed ones, and more than none (a span the method recomputes whole is the same
+    dense work, batched better in the engine)."""
+
+    recomputed_tokens: Callable[[int], int]  # the method's, by span length
+    min_gain: float = DEFAULT_MIN_GAIN
+
+    def worth_building(self, length: int) -> bool:
+        recomputed = min(length, self.recomputed_tokens(length))
+        served = length - recomputed
+        return served > 0 and served >= self.min_gain * recomputed
+
+
 def span_slots(matches) -> list[tuple[str, str]]:
     """(slot, kind) per span. The slot names the producer, so anchor pools are per
     (producer, consumer): an output's producer is the agent that wrote it; a span first seen
@@ -82,11 +103,12 @@ def plan_claim(
     with_spans: bool,
     min_span: int = DEFAULT_MIN_SPAN,
     namespace: str | None = None,
-    recomputes_whole: Callable[[int], bool] | None = None,
+    span_rule: SpanRule | None = None,
 ) -> Claim | None:
     """The claim for a prompt of ``session`` (in ``namespace``), or None when the connector
-    supplies nothing. Spans come from the session only; the exact run from the namespace.
-    ``recomputes_whole(length)``: the method's rule for spans it would compute densely."""
+    neither supplies tokens nor leaves spans to the engine. Spans come from the session only;
+    the exact run from the namespace. ``span_rule``: which spans are worth a build (None:
+    every span)."""
     last = len(prompt_ids) - 1  # vLLM must compute the last prompt token itself
     claim = Claim(num_computed, num_computed, exact_end=num_computed)
     exact = index.longest_exact_prefix(namespace, prompt_ids)
@@ -99,10 +121,8 @@ def plan_claim(
             origin = SourceRef(m.origin.key, m.origin.offset, m.origin.agent)
             latest = SourceRef(m.latest.key, m.latest.offset, m.latest.agent)
             claim.spans.append(SpanPiece(m.start, m.length, slot, kind, origin, latest))
-        while len(claim.spans) > 1 and recomputes_whole and recomputes_whole(
-            claim.spans[-1].length
-        ):
+        while claim.spans and span_rule and not span_rule.worth_building(claim.spans[-1].length):
             claim.engine_spans.insert(0, claim.spans.pop())
         if claim.spans:
             claim.end = claim.spans[-1].start + claim.spans[-1].length
-    return claim if claim.length > 0 else None
+    return claim if claim.length > 0 or claim.engine_spans else None

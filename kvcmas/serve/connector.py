@@ -27,7 +27,9 @@ Flow:
 
 Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_METHODS``;
 default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
-``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``store_bytes`` (bound of
+``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``min_gain`` (the
+cost rule of :class:`kvcmas.serve.claims.SpanRule`, default
+:data:`kvcmas.serve.params.DEFAULT_MIN_GAIN`), ``store_bytes`` (bound of
 the span store, default 512 MiB), ``max_namespaces`` (method objects kept, one per namespace
 and method, least recently used dropped; default 64), ``session_state_bytes`` (bound of each
 method object's per-session values, such as KVCOMM's reference prefills and GraphFlow's bases,
@@ -57,13 +59,14 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from kvcmas.methods.base import ReuseCounts, SegmentRecord
-from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, plan_claim
+from kvcmas.serve.claims import DEFAULT_MIN_SPAN, Claim, SpanRule, plan_claim
 from kvcmas.serve.http import STATS_FILE_ENV
 from kvcmas.serve.layout_check import check_layout_against_vllm
 from kvcmas.serve.method_states import MethodStates
 from kvcmas.serve.paged_layout import read_span, write_span
 from kvcmas.serve.params import (
     CONNECTOR_METHODS,
+    DEFAULT_MIN_GAIN,
     DEFAULT_NAMESPACES,
     DEFAULT_SESSION_STATE_BYTES,
     DEFAULT_STORE_BYTES,
@@ -118,6 +121,8 @@ class KvcmasConnectorMetadata(KVConnectorMetadata):
     drops: list[str] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
+    # Claims that supply no tokens, only spans left to vLLM: logged as the requests' builds.
+    records: list[RangePlan] = field(default_factory=list)
 
 
 def session_key(params: KvcmasParams) -> str:
@@ -171,6 +176,9 @@ class KvcmasConnector(KVConnectorBase_V1):
             if self.min_span < GRAM:  # raised at startup, never in a scheduling step
                 raise ValueError(f"KvcmasConnector: min_span must be >= {GRAM}, "
                                  f"got {self.min_span}")
+            self.min_gain = float(extra("min_gain", DEFAULT_MIN_GAIN))
+            if not self.min_gain >= 0:
+                raise ValueError(f"KvcmasConnector: min_gain must be >= 0, got {self.min_gain}")
             self.index = SpanIndex(capacity, bytes_per_token)
             # Method objects asked only which spans they would recompute whole (claims).
             self._span_rules: dict[str, Method] = {}
@@ -242,7 +250,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         claim = plan_claim(
             self.index, session, request.prompt_token_ids, num_computed_tokens,
             with_spans=method != "exact", min_span=self.min_span, namespace=params.namespace,
-            recomputes_whole=None if method == "exact" else self._span_rule(method),
+            span_rule=None if method == "exact" else self._span_rule(method),
         )  # fmt: skip
         if claim is not None and claim.spans and num_computed_tokens and (
             session in self._admitted_now
@@ -259,12 +267,14 @@ class KvcmasConnector(KVConnectorBase_V1):
         self._claims[request.request_id] = (claim, params)
         return claim.length, False
 
-    def _span_rule(self, method: str):
-        """``recomputes_whole`` of the method (the server's, with its options, or another
-        one's defaults, as the worker makes them)."""
+    def _span_rule(self, method: str) -> SpanRule:
+        """Which spans are worth a build, by the method's recomputed tokens (the server's
+        method with its options, another one with its defaults, as the worker makes them)."""
         if method not in self._span_rules:
-            self._span_rules[method] = self._new_method(method)
-        return self._span_rules[method].recomputes_whole
+            self._span_rules[method] = SpanRule(
+                self._new_method(method).recomputed_tokens, self.min_gain
+            )
+        return self._span_rules[method]
 
     def _note_exact_cap(self, request: Request, session: str, num_computed: int) -> None:
         """In a session holding built KV, vLLM's own prefix hit is exact only as far as a
@@ -280,7 +290,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         pending = self._claims.pop(request.request_id, None)
-        if num_external_tokens == 0 or pending is None:
+        only_records = pending is not None and pending[0].length == 0
+        if pending is None or (num_external_tokens == 0 and not only_records):
             self._claimed.pop(request.request_id, None)  # a readmission that claims nothing
             return
         claim, params = pending
@@ -292,8 +303,11 @@ class KvcmasConnector(KVConnectorBase_V1):
             list(request.prompt_token_ids[: claim.end]), claim.exact_key, claim.exact_end,
             list(claim.spans), params.method or self.method, list(claim.engine_spans),
         )  # fmt: skip
-        self._pending.loads.append(LoadOrder(plan, params.test_noise_std))
         self._claimed[request.request_id] = claim
+        if only_records:
+            self._pending.records.append(plan)
+            return
+        self._pending.loads.append(LoadOrder(plan, params.test_noise_std))
         if claim.spans:
             self._approximate_sessions.add(plan.session)
 
@@ -399,7 +413,7 @@ class KvcmasConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvcmasConnectorMetadata):
             return
-        changed = bool(meta.drops or meta.saves or meta.loads)
+        changed = bool(meta.drops or meta.saves or meta.loads or meta.records)
         dropped = set(meta.drops)
         clock = time.perf_counter()
         for key in meta.drops:
@@ -414,6 +428,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         for order in meta.loads:
             self._load_or_report(order)
         clock = self._spent("load_s", clock)
+        for plan in meta.records:
+            self._log_build(plan, [], None)
         if not meta.loads:
             # No claim to fill in this step: build the methods' deferred anchors now. This
             # delays the step's decode by the SVDs it runs (the serving counterpart of `kvcmas
@@ -480,6 +496,8 @@ class KvcmasConnector(KVConnectorBase_V1):
             self._build(plan)
         else:
             self._copy_exact(plan, order.noise_std)
+            if plan.engine_spans:  # the spans after the exact run were left to vLLM
+                self._log_build(plan, [], None)
         self._stats["injected_requests"] += 1
         self._stats["injected_tokens"] += plan.end - plan.start
         self._stats["injections"].append({
@@ -534,8 +552,14 @@ class KvcmasConnector(KVConnectorBase_V1):
         method = self._methods.get(plan.namespace, plan.method)
         start = time.perf_counter()
         records = build_range(plan, method, model, layers, self.store.read, self._packing)
-        seconds = time.perf_counter() - start
-        n_layers = model.config.n_layers
+        self._log_build(plan, records, time.perf_counter() - start)
+
+    def _log_build(
+        self, plan: RangePlan, records: list[SegmentRecord], seconds: float | None
+    ) -> None:
+        """Count and log what the method built of ``plan`` (``records``) and the spans it left
+        to vLLM; ``seconds`` None: nothing was built (every span was left to vLLM)."""
+        n_layers = len(self._layers)  # vLLM's attention layers: the model's
         shared = [r for r in records if r.slot is not None] + [
             SegmentRecord(p.slot, p.kind, p.start, p.length, "dense", p.length * n_layers,
                           details={"computed_by": "engine"})
@@ -543,8 +567,9 @@ class KvcmasConnector(KVConnectorBase_V1):
         ]  # fmt: skip
         counts = ReuseCounts.of(shared, n_layers)  # the one definition of reuse
         s = self._stats
-        s["built_requests"] += 1
-        s["build_s"] += seconds
+        if seconds is not None:
+            s["built_requests"] += 1
+            s["build_s"] += seconds
         s["span_tokens"] += counts.shared_tokens
         s["served_tokens"] += counts.served_tokens
         s["computed_pairs"] += counts.computed_pairs
@@ -559,7 +584,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             "request_id": plan.request_id, "session": plan.session, "agent": plan.agent,
             "namespace": plan.namespace, "method": plan.method, "start": plan.start,
             "end": plan.end, "exact_end": plan.exact_end, "spans": spans,
-            "seconds": round(seconds, 4),
+            "seconds": None if seconds is None else round(seconds, 4),
         })
         del s["builds"][:-_RECENT]
 

@@ -114,6 +114,7 @@ class ServeConfig:
     min_span: int | None = None  # shortest shared span (tokens); None: the connector's default
     max_namespaces: int | None = None  # method objects (tenants' pools) kept; None: default
     session_state_bytes: int | None = None  # per method object; None: the connector's default
+    min_gain: float | None = None  # served per recomputed token to build a span; None: default
 
     @property
     def url(self) -> str:
@@ -131,6 +132,7 @@ def server_command(cfg: ServeConfig) -> list[str]:
             "method": cfg.method, "store_bytes": cfg.store_bytes,
             "method_config": cfg.method_options or {},
             **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
+            **({"min_gain": cfg.min_gain} if cfg.min_gain is not None else {}),
             **({"max_namespaces": cfg.max_namespaces} if cfg.max_namespaces is not None else {}),
             **({"session_state_bytes": cfg.session_state_bytes}
                if cfg.session_state_bytes is not None else {}),  # fmt: skip

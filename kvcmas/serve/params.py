@@ -20,6 +20,21 @@ TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
 DUMP_DIR_ENV = "KVCMAS_DUMP_DIR"
 _TEST_FIELDS = ("test_noise_std", "test_dump")
 
+# Method objects (one per namespace and method, holding its anchor pools) a connector keeps.
+DEFAULT_NAMESPACES = 64
+# Bounds of the connector's span store and of each method object's per-session state.
+DEFAULT_STORE_BYTES = 512 << 20
+DEFAULT_SESSION_STATE_BYTES = 1 << 30
+# The cost rule's default: a span is built only if it serves at least this many tokens per
+# token its build recomputes. Measured on the 2-core AMX host with SmolLM2-135M in bf16
+# (RESULTS.md, "a cost rule for short spans"): kvcmas's runtime recomputes a token in about
+# 0.5 ms outside vLLM's batch, where vLLM's own prefill costs about 0.2-0.4 ms a token, and
+# a build adds fixed work (match, correction, copies). At the long-context point (a 128-token
+# head) a 512-token document served 2.8 tokens per recomputed one and was slower than plain
+# vLLM under load; 2K and 4K documents (11-17) were 2.5-3x faster. 4 leaves spans under about
+# 700 tokens to vLLM there. Another machine or engine has other costs: measure, then set it.
+DEFAULT_MIN_GAIN = 4.0
+
 # Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
 # re-injects only the KV vLLM computed for an identical earlier prefix of the session; the
 # others are `kvcmas run`'s method objects, building every shared span of the session.
@@ -27,12 +42,6 @@ _TEST_FIELDS = ("test_noise_std", "test_dump")
 # "dense" prefills every span densely with kvcmas's runtime inside the claim (the NonShared
 # method): the exact counterpart of the others, measuring what the connector itself costs.
 # (Plain vLLM, with no kvcmas params, is what `kvcmas run --engine vllm` calls "nonshared".)
-# Method objects (one per namespace and method, holding its anchor pools) a connector keeps.
-DEFAULT_NAMESPACES = 64
-# Bounds of the connector's span store and of each method object's per-session state.
-DEFAULT_STORE_BYTES = 512 << 20
-DEFAULT_SESSION_STATE_BYTES = 1 << 30
-
 CONNECTOR_METHODS = (
     "exact", "dense", "fullshared", "kvcmas", "kvcomm", "cacheblend", "headrecompute",
     "graphflow",

@@ -17,6 +17,7 @@ from kvcmas.serve.launch import (
     check_method,
     check_sizes,
 )
+from kvcmas.serve.params import DEFAULT_MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="N servers per method (the cores split between them) behind vllm-router, "
              "each session kept on one (`kvcmas serve --instances N`)",
     )  # fmt: skip
+    p.add_argument("--min-gain", type=float, default=None,
+                   help="the connector's cost rule (`kvcmas serve --min-gain`; default "
+                        f"{DEFAULT_MIN_GAIN:g})")
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)
@@ -166,6 +170,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --idle-sessions, --probe-sessions and --search-probes >= 1")
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
                 session_state_bytes=args.session_state_bytes)
+    if args.min_gain is not None and not args.min_gain >= 0:
+        raise UsageError(f"--min-gain must be >= 0, got {args.min_gain}")
     if args.cell_time_s <= 0 or args.drain_s < 0:
         raise UsageError("need --cell-time-s > 0 and --drain-s >= 0")
     if args.instances != 1:

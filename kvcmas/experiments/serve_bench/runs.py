@@ -264,6 +264,7 @@ def method_server(
         kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
         max_model_len=max_model_len,
         method_options=method.options or None, session_state_bytes=args.session_state_bytes,
+        min_gain=args.min_gain,
     )  # fmt: skip
     if args.instances != 1:
         log(f"{method.name}: starting {args.instances} vLLM instances with the connector "
