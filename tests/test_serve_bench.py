@@ -18,7 +18,12 @@ import pytest
 
 from kvcmas import cli
 from kvcmas.errors import UsageError
-from kvcmas.experiments.serve_bench.capacity import search_capacity, start_rate
+from kvcmas.experiments.serve_bench.capacity import (
+    later_half,
+    probe_size,
+    search_capacity,
+    start_rate,
+)
 from kvcmas.experiments.serve_bench.load import check_local_url, run_cell
 from kvcmas.experiments.serve_bench.metrics import (
     SessionRecord,
@@ -121,6 +126,19 @@ def test_search_starts_where_idle_prefills_would_fill_the_engine():
     assert start_rate(1.0, 4) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="idle TTFT"):
         start_rate(0.0, 4)
+
+
+def test_a_probe_holds_its_rate_for_its_duration_within_bounds():
+    assert probe_size(0.5, 60.0, 8, 40) == 30  # 60 s of arrivals
+    assert probe_size(0.05, 60.0, 8, 40) == 8  # at least the fewest
+    assert probe_size(4.0, 60.0, 8, 40) == 40  # a burst of the most: it fails on that
+    with pytest.raises(ValueError):
+        probe_size(1.0, 60.0, 9, 8)
+
+
+def test_a_probe_is_judged_on_the_sessions_that_arrived_into_a_loaded_server():
+    records = [SimpleNamespace(arrival_s=t) for t in (5.0, 1.0, 3.0, 2.0, 4.0)]
+    assert [r.arrival_s for r in later_half(records)] == [3.0, 4.0, 5.0]
 
 
 def test_capacity_search_reports_when_no_rate_passes():

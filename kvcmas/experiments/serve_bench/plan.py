@@ -122,7 +122,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="S=sessions_per_s,...: plain vLLM's capacity, given instead of searched",
     )
     p.add_argument("--idle-sessions", type=int, default=3, help="sequential, for idle TTFT")
-    p.add_argument("--probe-sessions", type=int, default=8, help="sessions per capacity probe")
+    p.add_argument("--probe-sessions", type=int, default=8,
+                   help="fewest sessions per capacity probe")
+    p.add_argument("--probe-max-sessions", type=int, default=40,
+                   help="most sessions per capacity probe")
+    p.add_argument("--probe-s", type=float, default=None,
+                   help="seconds of arrivals per capacity probe (default: 3 idle sessions' "
+                        "latency)")
     p.add_argument("--search-probes", type=int, default=6, help="probes of a capacity search")
     p.add_argument(
         "--cell-time-s", type=float, default=300.0, help="a cell stops sending after this"
@@ -168,6 +174,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --sessions >= 1, --output-tokens >= 1 and --warmup >= 0")
     if args.idle_sessions < 1 or args.probe_sessions < 1 or args.search_probes < 1:
         raise UsageError("need --idle-sessions, --probe-sessions and --search-probes >= 1")
+    if args.probe_max_sessions < args.probe_sessions:
+        raise UsageError("need --probe-max-sessions >= --probe-sessions")
+    if args.probe_s is not None and not args.probe_s > 0:
+        raise UsageError(f"--probe-s must be positive, got {args.probe_s}")
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
                 session_state_bytes=args.session_state_bytes)
     if args.min_gain is not None and not args.min_gain >= 0:

@@ -28,6 +28,8 @@ from kvcmas.experiments.machine import machine_description
 from kvcmas.experiments.serve_bench.capacity import (
     CapacitySearch,
     given_capacity,
+    later_half,
+    probe_size,
     search_capacity,
     start_rate,
 )
@@ -61,7 +63,7 @@ class Bench:
         longest = max(args.sizes) + overhead_tokens(side.tokenizer, self.workflow)
         self.max_model_len = min(context, -(-longest // 256) * 256)
         self.search_sizes = [s for s in args.sizes if s not in args.capacity]
-        probes = args.search_probes * args.probe_sessions
+        probes = args.search_probes * args.probe_max_sessions
         counts = {
             s: (args.warmup, *((args.idle_sessions, probes) if s in self.search_sizes else (0, 0)))
             for s in args.sizes
@@ -150,24 +152,30 @@ class Bench:
             raise UsageError(f"S={size}: no idle session of plain vLLM completed")
         idle_ttft = percentile(ttfts, 50)
         start = start_rate(idle_ttft, len(self.workflow.order))
-        n = self.args.probe_sessions
-        probe_docs = iter(docs.probes[i : i + n] for i in range(0, len(docs.probes), n))
+        # Arrivals for a few session lengths: the server fills up within the first one.
+        latency = percentile([r.latency_s for r in idle if r.latency_s is not None], 50)
+        probe_s = self.args.probe_s or 3 * latency
+        most = self.args.probe_max_sessions
+        probe_docs = iter(docs.probes[i : i + most] for i in range(0, len(docs.probes), most))
 
         def measure(rate: float) -> float | None:
-            requests = session_requests(next(probe_docs), f"probe{size}-{rate:.4f}")
+            n = probe_size(rate, probe_s, self.args.probe_sessions, most)
+            requests = session_requests(next(probe_docs)[:n], f"probe{size}-{rate:.4f}")
             arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, rate))
-            label = f"S={size} probe {rate:.3f} sessions/s"
+            label = f"S={size} probe {rate:.3f} sessions/s ({n} sessions)"
             records, *_ = self.cell(base_url, method, namespace, requests, arrivals, label)
-            ttft = [h.ttft_s for r in records for h in r.hops]
-            p50 = percentile(ttft, 50) if ttft else None
             if len(records) < n or not all(r.complete for r in records):
                 self.log(f"{label}: not all sessions finished in time: fails")
                 return None
-            self.log(f"{label}: p50 TTFT {p50:.3f}s (limit {2 * idle_ttft:.3f}s)")
+            p50 = percentile([h.ttft_s for r in later_half(records) for h in r.hops], 50)
+            self.log(f"{label}: p50 TTFT of its later half {p50:.3f}s "
+                     f"(limit {2 * idle_ttft:.3f}s)")  # fmt: skip
             return p50
 
-        self.log(f"S={size}: idle TTFT p50 {idle_ttft:.3f}s; searching from {start:.3f}/s")
+        self.log(f"S={size}: idle TTFT p50 {idle_ttft:.3f}s; searching from {start:.3f}/s, "
+                 f"probes of {probe_s:.0f} s")  # fmt: skip
         found = search_capacity(measure, idle_ttft, start, self.args.search_probes)
+        found.probe_s = probe_s
         self.capacity[size] = found
         state = "" if found.found else " (no probe passed: the lowest rate probed)"
         self.log(f"S={size}: plain vLLM's capacity {found.capacity_per_s:.4f} sessions/s{state}")
