@@ -26,14 +26,16 @@ DEFAULT_NAMESPACES = 64
 DEFAULT_STORE_BYTES = 512 << 20
 DEFAULT_SESSION_STATE_BYTES = 1 << 30
 # The cost rule's default: a span is built only if it serves at least this many tokens per
-# token its build recomputes. Measured on the 2-core AMX host with SmolLM2-135M in bf16
-# (RESULTS.md, "a cost rule for short spans"): kvcmas's runtime recomputes a token in about
-# 0.5 ms outside vLLM's batch, where vLLM's own prefill costs about 0.2-0.4 ms a token, and
-# a build adds fixed work (match, correction, copies). At the long-context point (a 128-token
-# head) a 512-token document served 2.8 tokens per recomputed one and was slower than plain
-# vLLM under load; 2K and 4K documents (11-17) were 2.5-3x faster. 4 leaves spans under about
-# 700 tokens to vLLM there. Another machine or engine has other costs: measure, then set it.
-DEFAULT_MIN_GAIN = 4.0
+# token its build always recomputes (the method's recomputed_tokens: a repaired head).
+# Measured on the 2-core AMX host with SmolLM2-135M in bf16 (RESULTS.md, "A cost rule for
+# short spans"): kvcmas's runtime recomputes a token in about 0.5 ms outside vLLM's batch,
+# where vLLM's own prefill costs about 0.3 ms a token, and each build adds fixed work (match,
+# correction, copies). At the long-context point (a 128-token head) the hops of a 512-token
+# document served 3.1-5.2 tokens per head token and every one of them was slower than plain
+# vLLM's (0.07 s at half its capacity); at 2K and 4K (15-31) KVCMAS was 2.5-3x faster. The
+# break-even lies between; 8 leaves spans under 1152 tokens to vLLM at that head. Another
+# machine or engine has other costs: measure, then set it (0 builds every span).
+DEFAULT_MIN_GAIN = 8.0
 
 # Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
 # re-injects only the KV vLLM computed for an identical earlier prefix of the session; the

@@ -47,6 +47,7 @@ from kvcmas.experiments.serve_bench.workload import (
     size_documents,
 )
 from kvcmas.serve.client import AsyncEngineClient, EngineClient, ModelSide
+from kvcmas.serve.params import DEFAULT_MIN_GAIN
 from kvcmas.workflow.spec import Workflow
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -341,6 +342,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "kv_cache_bytes": args.kv_cache_bytes,
             "store_bytes": args.store_bytes,
             "session_state_bytes": args.session_state_bytes,
+            "min_gain": DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
             "source": args.source,
             "methods": {
                 m.name: {"server_method": m.server_method, "options": m.options}
