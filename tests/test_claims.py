@@ -63,13 +63,20 @@ def whole_up_to(limit: int) -> SpanRule:
     return SpanRule(lambda n: n if n <= limit else 0, min_gain=0.0)
 
 
-def test_trailing_spans_the_method_recomputes_whole_are_left_to_vllm():
+def analyst_critic_judge():
+    """An analyst read a document (its reply: 40 tokens), a critic the document and 40 tokens
+    of notes; the judge's prompt reads document, notes and reply in a row: a 120-token span
+    (document and notes, from the critic) at 6, then the reply (40, from the analyst) at 126."""
     system, doc, notes, reply = fresh(1000, 20), fresh(2000, 80), fresh(2500, 40), fresh(3000, 40)
     first = system + doc + fresh(4000, 5)
     second = system + doc + notes + fresh(4500, 5)
     index = index_with(("a", "analyst", first + reply, len(first), len(first)),
                        ("b", "critic", second, len(second), len(second)))
-    prompt = fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
+    return index, fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
+
+
+def test_trailing_spans_the_method_recomputes_whole_are_left_to_vllm():
+    index, prompt = analyst_critic_judge()
     whole = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32,
                        span_rule=whole_up_to(40))
     assert [(s.start, s.length) for s in whole.spans] == [(6, 120)]  # document and notes
@@ -99,12 +106,7 @@ def test_span_rule_weighs_served_tokens_against_recomputed_ones():
 
 
 def test_spans_below_the_gain_are_left_to_vllm_and_the_rest_claimed():
-    system, doc, notes, reply = fresh(1000, 20), fresh(2000, 80), fresh(2500, 40), fresh(3000, 40)
-    first = system + doc + fresh(4000, 5)
-    second = system + doc + notes + fresh(4500, 5)
-    index = index_with(("a", "analyst", first + reply, len(first), len(first)),
-                       ("b", "critic", second, len(second), len(second)))
-    prompt = fresh(5000, 6) + doc + notes + reply + fresh(7000, 8)
+    index, prompt = analyst_critic_judge()
     head16 = SpanRule(lambda n: min(n, 16), min_gain=4.0)
     claim = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32, span_rule=head16)
     # document and notes (120 tokens: 104 served per 16 recomputed) are built; the reply
