@@ -101,6 +101,59 @@ def test_span_store_counts_bytes_and_reads_views():
         store.get("a")
 
 
+def test_span_store_saves_into_a_dropped_requests_memory():
+    import torch
+
+    shape = (2, 2, 3, 5, 4)  # 960 bytes in fp32
+    store = SpanStore(max_bytes=4000)
+    first = store.new(shape, torch.float32, "cpu")
+    first.fill_(1.0)
+    store.put("a", first)
+    store.drop("a")
+    assert store.num_bytes == 0 and store.spare_bytes == 960
+    second = store.new((2, 2, 3, 4, 4), torch.float32, "cpu")  # smaller: fits the spare
+    assert second.data_ptr() == first.data_ptr() and store.reused_saves == 1
+    assert store.spare_bytes == 0
+    store.put("b", second)
+    store.drop("b")  # a piece of the spare: the whole buffer goes back
+    assert store.spare_bytes == 960
+    larger = store.new((2, 2, 3, 6, 4), torch.float32, "cpu")
+    assert larger.data_ptr() != first.data_ptr() and store.reused_saves == 1
+    # Of several spares, the smallest that holds the request.
+    several = SpanStore(max_bytes=1 << 20)
+    for key, n in (("a", 5), ("b", 10), ("c", 20)):  # 960, 1920 and 3840 bytes
+        several.put(key, several.new((2, 2, 3, n, 4), torch.float32, "cpu"))
+    for key in "abc":
+        several.drop(key)
+    assert several.spare_bytes == 960 + 1920 + 3840
+    several.new((2, 2, 3, 6, 4), torch.float32, "cpu")  # 1152 bytes: the 1920-byte spare
+    assert several.spare_bytes == 960 + 3840 and several.reused_saves == 1
+    # Entries and spares stay within max_bytes: the spare is released for the new entry.
+    store.put("c", store.new((2, 2, 3, 15, 4), torch.float32, "cpu"))  # 2880 bytes
+    store.put("d", larger)  # 1152: 4032 in entries
+    assert store.spare_bytes == 0 and store.num_bytes == 4032
+
+
+def test_span_store_never_reuses_memory_a_reader_still_holds():
+    import torch
+
+    store = SpanStore(max_bytes=1 << 20)
+    kv = store.new((2, 2, 3, 5, 4), torch.float32, "cpu")
+    kv.copy_(torch.arange(kv.numel(), dtype=torch.float32).view(kv.shape))
+    store.put("a", kv)
+    k, _ = store.read("a", 0, 5)
+    want = k.clone()
+    del kv
+    store.drop("a")
+    assert store.spare_bytes == 0  # a view of it is alive: released, not kept
+    store.new((2, 2, 3, 5, 4), torch.float32, "cpu").fill_(-1.0)
+    assert torch.equal(k, want)
+    unbounded = SpanStore()  # no bound given: no spares
+    unbounded.put("a", torch.zeros(2, 2, 3, 5, 4))
+    unbounded.drop("a")
+    assert unbounded.spare_bytes == 0
+
+
 # ----------------------------------------------------------------- a real vLLM server
 
 STORE_BYTES = 80 << 20  # ~1800 tokens of the default model's fp32 KV: eviction gets exercised
@@ -690,13 +743,18 @@ def test_a_client_that_disconnects_leaves_the_store_consistent(server):
 
 @pytest.mark.vllm
 def test_the_store_stays_bounded_over_a_long_stream(server):
-    """200 short requests of 20 sessions: past the bound many times, never above it."""
+    """200 short requests of 20 sessions: past the bound many times, never above it, with
+    the saved and spare memory of the worker's store together within it too, and saves made
+    into dropped requests' memory."""
+    before = stats(server).get("reused_saves", 0)
     for i in range(200):
         ids = prompt_ids(server, f"Nu{i}", facts=2)
         answer = complete(server, ids, session=f"S-long-{i % 20}", max_tokens=1)
         assert answer.kvcmas["store_bytes"] <= STORE_BYTES
     s = wait_for_saves(server, answer.kvcmas["saved_requests_total"])
     assert 0 < s["store_bytes"] <= STORE_BYTES and s["dropped_requests"] > 0
+    assert s["store_bytes"] + s["store_spare_bytes"] <= STORE_BYTES
+    assert s["reused_saves"] > before
 
 
 def test_the_salt_separates_sessions_and_tenants_and_keeps_a_client_salt_inside():

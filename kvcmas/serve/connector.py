@@ -180,8 +180,8 @@ class KvcmasConnector(KVConnectorBase_V1):
             if not self.min_gain >= 0:
                 raise ValueError(f"KvcmasConnector: min_gain must be >= 0, got {self.min_gain}")
             self.index = SpanIndex(capacity, bytes_per_token)
-            # Method objects asked only which spans they would recompute whole (claims).
-            self._span_rules: dict[str, Method] = {}
+            # Per method, which spans are worth a build (claims).
+            self._span_rules: dict[str, SpanRule] = {}
             self._claims: dict[str, tuple[Claim, KvcmasParams]] = {}
             self._claimed: dict[str, Claim] = {}  # admitted claims, until the request ends
             self._pending = KvcmasConnectorMetadata()
@@ -193,7 +193,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             self._admitted_now: set[str] = set()  # sessions admitted in this scheduling pass
             self._warned_unsalted = False
         else:
-            self.store = SpanStore()
+            self.store = SpanStore(int(extra("store_bytes", DEFAULT_STORE_BYTES)))
             self.kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[str] = []
             self._packing: str | None = None  # vLLM's block packing, checked at registration
@@ -451,9 +451,9 @@ class KvcmasConnector(KVConnectorBase_V1):
         heads, head_dim = first.shape[1], first.shape[3] // 2
         # One tensor for all layers, each read straight into its place, so that a build
         # reads a source's spans as views instead of copying every layer (measured at 2K:
-        # 67 ms less per build, 20 ms more per save: one large allocation faulted in anew).
-        kv = torch.empty(len(self._layers), 2, heads, order.num_tokens, head_dim,
-                         dtype=first.dtype, device=first.device)  # fmt: skip
+        # 67 ms less per build); in the memory of a dropped request where one fits.
+        kv = self.store.new((len(self._layers), 2, heads, order.num_tokens, head_dim),
+                            first.dtype, first.device)  # fmt: skip
         for i, name in enumerate(self._layers):
             read_span(self.kv_caches[name], order.block_ids, 0, order.num_tokens,
                       packing=self._packing, out=(kv[i, 0], kv[i, 1]))  # fmt: skip
@@ -601,7 +601,8 @@ class KvcmasConnector(KVConnectorBase_V1):
                 reports[json.dumps([namespace, name])] = report
         stats = dict(self._stats, method=self.method, method_config=self.method_options,
                      store_bytes=self.store.num_bytes, store_requests=len(self.store),
-                     method_state_bytes=pools,
+                     store_spare_bytes=self.store.spare_bytes,
+                     reused_saves=self.store.reused_saves, method_state_bytes=pools,
                      namespaces=len({namespace for (namespace, _), _ in self._methods.items()}),
                      method_states_dropped=self._methods.dropped,
                      pools=reports)

@@ -11,6 +11,7 @@ No vllm import here.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -293,13 +294,47 @@ class SpanIndex:
         return Occurrence(key, offset, entry.agent, offset + length > entry.prompt_len)
 
 
+def _storage_users(t: torch.Tensor) -> int | None:
+    """Tensors sharing ``t``'s memory, ``t`` included (None where torch cannot tell)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return count(t.untyped_storage()._cdata) - 1  # less the storage object made to ask
+
+
 class SpanStore:
     """Worker-side tensors: per saved request one tensor ``[layers, 2, heads, n, D]`` (K and
-    V of every layer in model order), so that a span of it is read as views, not copied."""
+    V of every layer in model order), so that a span of it is read as views, not copied.
 
-    def __init__(self) -> None:
+    A dropped request's memory is kept as a spare for the next save (:meth:`new`), within
+    ``max_bytes`` together with the saved ones: writing into fresh memory of that size costs
+    its page faults each time (a 1100-token save of SmolLM2 in bf16, 25 MB: 55 ms fresh
+    against 11 ms into mapped memory, measured on the 2-core AMX host), and under load the
+    store is full, so every save follows a drop. Memory still read elsewhere (a view kept
+    past a build) is never reused: it is released as before."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
         self._kv: dict[str, torch.Tensor] = {}
         self.num_bytes = 0
+        self.max_bytes = max_bytes  # None: keep no spares
+        self._spares: list[torch.Tensor] = []  # flat buffers of dropped requests
+        self.reused_saves = 0
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._spares)
+
+    def new(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """An uninitialized tensor to save a request into: the smallest spare that holds it,
+        else new memory."""
+        numel = math.prod(shape)
+        fits = [i for i, b in enumerate(self._spares)
+                if b.numel() >= numel and b.dtype == dtype and b.device == torch.device(device)]
+        if not fits:
+            return torch.empty(shape, dtype=dtype, device=device)
+        spare = self._spares.pop(min(fits, key=lambda i: self._spares[i].numel()))
+        self.reused_saves += 1
+        return spare[:numel].view(shape)
 
     def __len__(self) -> int:
         return len(self._kv)
@@ -310,6 +345,7 @@ class SpanStore:
         self.drop(key)
         self._kv[key] = kv
         self.num_bytes += kv.numel() * kv.element_size()
+        self._trim()
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self._kv:
@@ -330,5 +366,17 @@ class SpanStore:
 
     def drop(self, key: str) -> None:
         kv = self._kv.pop(key, None)
-        if kv is not None:
-            self.num_bytes -= kv.numel() * kv.element_size()
+        if kv is None:
+            return
+        self.num_bytes -= kv.numel() * kv.element_size()
+        flat = kv if kv._base is None else kv._base
+        # Only this entry (and the flat buffer it was cut from) may hold the memory.
+        if self.max_bytes is not None and _storage_users(kv) == (1 if flat is kv else 2):
+            self._spares.append(flat.view(-1))
+        self._trim()
+
+    def _trim(self) -> None:
+        """Release spares, the smallest first, until entries and spares fit ``max_bytes``."""
+        self._spares.sort(key=torch.Tensor.numel)
+        while self._spares and self.num_bytes + self.spare_bytes > (self.max_bytes or 0):
+            self._spares.pop(0)
