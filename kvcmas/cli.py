@@ -147,13 +147,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
                 max_model_len=args.max_model_len, min_span=args.min_span,
-                max_namespaces=args.max_namespaces, session_state_bytes=args.session_state_bytes)
+                max_namespaces=args.max_namespaces, session_state_bytes=args.session_state_bytes,
+                min_gain=args.min_gain)
     from kvcmas.serve.span_store import GRAM
 
     if args.min_span is not None and args.min_span < GRAM:
         raise UsageError(f"--min-span must be at least {GRAM} (the span index's token window)")
-    if args.min_gain is not None and not args.min_gain >= 0:
-        raise UsageError(f"--min-gain must be >= 0, got {args.min_gain}")
     if args.instances != 1:
         from kvcmas.serve.cluster import instance_cores, router_binary
 

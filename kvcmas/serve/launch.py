@@ -90,10 +90,10 @@ def check_port(port: int, host: str) -> int:
 
 def check_sizes(**sizes: int | None) -> None:
     """Byte and token sizes must be positive (``session_state_bytes`` may be 0: the current
-    session's state only); the error names the flag."""
+    session's state only; so may ``min_gain``: build every span); the error names the flag."""
     for name, value in sizes.items():
-        least = 0 if name == "session_state_bytes" else 1
-        if value is not None and value < least:
+        least = 0 if name in ("session_state_bytes", "min_gain") else 1
+        if value is not None and not value >= least:  # NaN fails too
             flag = "--" + name.replace("_", "-")
             kind = "a number >= 0" if least == 0 else "a positive number"
             raise UsageError(f"{flag} must be {kind}, got {value}")

@@ -322,7 +322,7 @@ class SpanStore:
 
     @property
     def spare_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._spares)
+        return sum(b.nbytes for b in self._spares)
 
     def new(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """An uninitialized tensor to save a request into: the smallest spare that holds it,
@@ -344,7 +344,7 @@ class SpanStore:
             raise ValueError(f"saved KV must be [layers, 2, heads, n, D], got {tuple(kv.shape)}")
         self.drop(key)
         self._kv[key] = kv
-        self.num_bytes += kv.numel() * kv.element_size()
+        self.num_bytes += kv.nbytes
         self._trim()
 
     def get(self, key: str) -> torch.Tensor:
@@ -368,7 +368,7 @@ class SpanStore:
         kv = self._kv.pop(key, None)
         if kv is None:
             return
-        self.num_bytes -= kv.numel() * kv.element_size()
+        self.num_bytes -= kv.nbytes
         flat = kv if kv._base is None else kv._base
         # Only this entry (and the flat buffer it was cut from) may hold the memory.
         if self.max_bytes is not None and _storage_users(kv) == (1 if flat is kv else 2):

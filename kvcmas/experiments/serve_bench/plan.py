@@ -179,9 +179,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.probe_s is not None and not args.probe_s > 0:
         raise UsageError(f"--probe-s must be positive, got {args.probe_s}")
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
-                session_state_bytes=args.session_state_bytes)
-    if args.min_gain is not None and not args.min_gain >= 0:
-        raise UsageError(f"--min-gain must be >= 0, got {args.min_gain}")
+                session_state_bytes=args.session_state_bytes, min_gain=args.min_gain)
     if args.cell_time_s <= 0 or args.drain_s < 0:
         raise UsageError("need --cell-time-s > 0 and --drain-s >= 0")
     if args.instances != 1:
