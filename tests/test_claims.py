@@ -25,7 +25,8 @@ def test_claim_is_exact_run_then_spans_up_to_the_last_one():
     index = index_with(("a", "analyst", first + reply, len(first), len(first) + 40))
     prompt = system + fresh(5000, 6) + doc + fresh(6000, 4) + reply + fresh(7000, 8)
     claim = plan_claim(index, "S", prompt, 0, with_spans=True, min_span=32)
-    assert claim.exact_key == "a" and claim.exact_end == 20  # the shared system prompt
+    # the shared system prompt: shorter than min_span, claimed as it comes before spans
+    assert claim.exact_key == "a" and claim.exact_end == 20
     assert [(s.start, s.length, s.slot, s.kind) for s in claim.spans] == [
         (26, 50, "in:analyst", "input"), (80, 40, "out:analyst", "agent")]
     assert claim.spans[1].origin.offset == len(first)
@@ -33,21 +34,33 @@ def test_claim_is_exact_run_then_spans_up_to_the_last_one():
     cut = claim.cut(90)  # vLLM took fewer tokens: the second span is shortened
     assert cut.end == 90 and cut.spans[1].length == 10
     # "exact" claims only the exact run; nothing to claim past vLLM's own prefix: None.
-    assert plan_claim(index, "S", prompt, 0, with_spans=False).end == 20
-    assert plan_claim(index, "S", prompt, 20, with_spans=False) is None
+    assert plan_claim(index, "S", prompt, 0, with_spans=False, min_span=16).end == 20
+    assert plan_claim(index, "S", prompt, 20, with_spans=False, min_span=16) is None
     # Another session of the namespace: only the exact run (the system prompt), no spans.
-    other = plan_claim(index, "T", prompt, 0, with_spans=True)
+    other = plan_claim(index, "T", prompt, 0, with_spans=True, min_span=16)
     assert (other.exact_key, other.end, other.spans) == ("a", 20, [])
-    assert plan_claim(index, "T", prompt, 0, with_spans=True, namespace="tenant-2") is None
+    assert plan_claim(index, "T", prompt, 0, with_spans=True, min_span=16,
+                      namespace="tenant-2") is None
 
 
 def test_exact_run_stops_where_the_saved_kv_was_built():
     tokens = fresh(0, 100)
     index = index_with(("a", "x", tokens, 100, 30))  # positions 30.. were built by a method
-    claim = plan_claim(index, "S", tokens + [7], 0, with_spans=False)
+    claim = plan_claim(index, "S", tokens + [7], 0, with_spans=False, min_span=16)
     assert claim.end == claim.exact_end == 30
     # Built KV stays in its session: another one gets the same exact cap, never more.
-    assert plan_claim(index, "T", tokens + [7], 0, with_spans=False).end == 30
+    assert plan_claim(index, "T", tokens + [7], 0, with_spans=False, min_span=16).end == 30
+
+
+def test_an_exact_run_alone_shorter_than_min_span_is_left_to_vllm():
+    """Copying a few tokens into the paged cache costs more than vLLM's prefill of them."""
+    tokens = fresh(0, 100)
+    index = index_with(("a", "x", tokens, 100, 100))
+    prompt = tokens[:40] + fresh(500, 10)
+    assert plan_claim(index, "S", prompt, 0, with_spans=False, min_span=32).end == 40
+    assert plan_claim(index, "S", prompt, 8, with_spans=False, min_span=32).end == 40  # 32 new
+    assert plan_claim(index, "S", prompt, 9, with_spans=False, min_span=32) is None  # 31 new
+    assert plan_claim(index, "S", prompt, 9, with_spans=True, min_span=32) is None
 
 
 def test_the_claim_leaves_the_last_prompt_token_to_vllm():
