@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound of the connector's span store (saved sources)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--min-span", type=int, default=None,
-                   help="shortest shared span the connector reuses, in tokens (default 32)")
+                   help="shortest shared span the connector reuses, and shortest exact run "
+                        "it copies alone, in tokens (default 32)")
     s.add_argument("--min-gain", type=float, default=None,
                    help="build a shared span only if it serves at least this many tokens per "
                         "token the method recomputes of it (its repair head); shorter spans "

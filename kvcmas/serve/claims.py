@@ -14,11 +14,11 @@ vLLM lets a connector claim one run of tokens, directly after the prefix vLLM co
 
 Trailing spans not worth a build (:class:`SpanRule`) are left to vLLM's forward: the claim
 ends before them, and they are recorded as computed by the engine (so reuse counts them as
-dense). A claim may then supply no tokens at all and still carry that record. So is an exact
-run that is all a claim would supply and is shorter than ``min_span``: copying a run into the
-paged cache costs a fixed amount per layer (10-15 ms for a 24-27-token run over SmolLM2's 30
-layers, measured in the engine on the AMX host), more than vLLM's prefill of those tokens in
-its batch (about 0.3 ms a token there).
+dense). A claim may then supply no tokens at all and still carry that record. An exact run
+that is all a claim would supply is left to vLLM too when it is shorter than ``min_span``:
+copying a run into the paged cache costs a fixed amount per layer (10-15 ms for a 24-27-token
+run over SmolLM2's 30 layers, measured in the engine on the AMX host), more than vLLM's
+prefill of those tokens in its batch (about 0.3 ms a token there).
 
 vLLM computes the rest of the prompt (at least its last token, to sample from) and decodes.
 No vllm import here.
