@@ -450,12 +450,15 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
         tree = descendants(proc.pid)
 
         workflow_file = tmp_path / "pair.json"
+        # A system prompt long enough that the exact run another session saved of it passes
+        # --min-span (a shorter exact run alone is left to vLLM's prefill).
+        system = "You are careful. Read the question twice, check every step, answer briefly."
         workflow_file.write_text(json.dumps({
             "name": "pair", "final": "judge",
             "agents": [
-                {"name": "solver", "system": "You are careful.", "max_new_tokens": 24,
+                {"name": "solver", "system": system, "max_new_tokens": 24,
                  "prompt": "Question:\n{query}\nSolve it step by step."},
-                {"name": "judge", "system": "You are careful.", "max_new_tokens": 16,
+                {"name": "judge", "system": system, "max_new_tokens": 16,
                  "prompt": "Question:\n{query}\nThe solver wrote:\n{solver}\nFinal answer?"},
             ],
         }))
@@ -480,7 +483,7 @@ def test_serve_and_run_a_workflow_end_to_end(tmp_path):
         shared = list(EngineRunner(side, workflow, client, "exact").run_stream(requests))
         plain = list(EngineRunner(side, workflow, client, "nonshared").run_stream(requests))
         # Exact prefix KV crosses sessions of a namespace: the CLI's first solver found nothing
-        # saved; its second read the system prompt the first one saved.
+        # saved; its second read the system prompt (and "Question:") the first one saved.
         assert via_cli[0]["hops"][0]["claimed_tokens"] == 0
         assert via_cli[1]["hops"][0]["claimed_tokens"] > 0
         for cli_result, kv, ref in zip(via_cli, shared, plain, strict=True):
