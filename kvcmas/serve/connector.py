@@ -13,7 +13,9 @@ Flow:
 * A request carrying ``kv_transfer_params={"kvcmas": {"session": ..., "agent": ...}}`` is saved
   when it finishes: ``request_finished`` (scheduler) indexes its tokens (prompt and output) and
   keeps its blocks alive (returns ``True``); the next step's metadata tells the worker to copy
-  the blocks' KV into the span store, and ``get_finished`` then releases the blocks.
+  the blocks' KV into the span store, which it does on a background thread while the engine
+  runs on (:mod:`kvcmas.serve.save_copier`), and ``get_finished`` releases the blocks once the
+  copy is done.
 * At admission of a later request of the session, :func:`kvcmas.serve.claims.plan_claim`
   decides the claim: an exact run continuing a saved request, then (for every method but
   ``exact``) each span of the prompt that equals tokens of an earlier prompt or output of the
@@ -27,7 +29,8 @@ Flow:
 
 Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_METHODS``;
 default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
-``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``min_gain`` (the
+``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``background_saves``
+(default true; false copies each save inside the engine step), ``min_gain`` (the
 cost rule of :class:`kvcmas.serve.claims.SpanRule`, default
 :data:`kvcmas.serve.params.DEFAULT_MIN_GAIN`), ``store_bytes`` (bound of
 the span store, default 512 MiB), ``max_namespaces`` (method objects kept, one per namespace
@@ -77,6 +80,7 @@ from kvcmas.serve.params import (
     parse_kvcmas_params,
 )
 from kvcmas.serve.range_builder import RangePlan, build_range
+from kvcmas.serve.save_copier import SaveCopier
 from kvcmas.serve.span_store import GRAM, SpanIndex, SpanStore
 
 if TYPE_CHECKING:
@@ -210,15 +214,23 @@ class KvcmasConnector(KVConnectorBase_V1):
                 raise ValueError("KvcmasConnector: session_state_bytes must be >= 0, "
                                  f"got {self.session_state_bytes}")
             self._load_errors: set[int] = set()
-            self._finished_saving: set[str] = set()
+            self._finished_saving: set[str] = set()  # released without a copy
+            self._copier = SaveCopier(background=bool(extra("background_saves", True)))
+            self._stats_changed = False
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
                            "injected_tokens": 0, "dropped_requests": 0, "built_requests": 0,
                            "span_tokens": 0, "served_tokens": 0, "computed_pairs": 0,
                            "dense_pairs": 0, "load_errors": 0, "injections": [], "builds": [],
+                           "save_errors": 0,
                            # Wall seconds of the worker's step spent here, before vLLM's
-                           # forward (the batch waits): saves, loads (copies and builds), and
+                           # forward (the batch waits): saves (drops, and waiting for copies
+                           # whose memory a drop frees), loads (copies and builds), and
                            # building deferred anchors.
                            "save_s": 0.0, "load_s": 0.0, "flush_s": 0.0,
+                           # The saves' copies, on the copier's thread (off the step where
+                           # background_saves), and the part of the step spent waiting for
+                           # them (a load or drop of an entry still being copied).
+                           "save_copy_s": 0.0, "save_wait_s": 0.0,
                            # Within load_s: the builds alone (not the exact copies, nor the
                            # runtime's one-time load at the first build, model_load_s).
                            "build_s": 0.0, "model_load_s": 0.0}
@@ -437,8 +449,7 @@ class KvcmasConnector(KVConnectorBase_V1):
             for method in self._methods.values():
                 method.flush()
             self._spent("flush_s", clock)
-        if changed:
-            self._write_stats()
+        self._stats_changed |= changed
 
     def _spent(self, key: str, since: float) -> float:
         """Add the wall seconds since ``since`` to the stats' ``key``; return the time now."""
@@ -454,15 +465,35 @@ class KvcmasConnector(KVConnectorBase_V1):
         # 67 ms less per build); in the memory of a dropped request where one fits.
         kv = self.store.new((len(self._layers), 2, heads, order.num_tokens, head_dim),
                             first.dtype, first.device)  # fmt: skip
-        for i, name in enumerate(self._layers):
-            read_span(self.kv_caches[name], order.block_ids, 0, order.num_tokens,
-                      packing=self._packing, out=(kv[i, 0], kv[i, 1]))  # fmt: skip
-        self.store.put(order.key, kv)
-        if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
-            self._dump(order.request_id, kv)
-        self._finished_saving.add(order.request_id)
-        self._stats["saved_requests"] += 1
-        self._stats["saved_tokens"] += order.num_tokens
+        caches = [self.kv_caches[name] for name in self._layers]
+
+        def copy() -> None:  # vLLM keeps the blocks until get_finished reports the request
+            for i, cache in enumerate(caches):
+                read_span(cache, order.block_ids, 0, order.num_tokens,
+                          packing=self._packing, out=(kv[i, 0], kv[i, 1]))  # fmt: skip
+            if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
+                self._dump(order.request_id, kv)
+
+        job = self._copier.submit(order.key, order.request_id, order.num_tokens, copy)
+        self.store.put(order.key, kv, filling=job)
+
+    def _reap_saves(self) -> set[str]:
+        """Account the copies done since the last step; returns their requests' ids (their
+        blocks may go back to vLLM, copied or not)."""
+        released = set()
+        for job in self._copier.reap():
+            released.add(job.request_id)
+            self._stats["save_copy_s"] += job.copy_s
+            self._stats["save_wait_s"] += job.waited_s
+            if job.error is not None:  # the store drops the entry at its next read or drop
+                logger.error("KvcmasConnector: saving request %s failed: %r",
+                             job.request_id, job.error)
+                self._stats["save_errors"] += 1
+                continue
+            self._stats["saved_requests"] += 1
+            self._stats["saved_tokens"] += job.num_tokens
+        self._stats_changed |= bool(released)
+        return released
 
     def _dump(self, request_id: str, kv: torch.Tensor) -> None:
         folder = os.environ.get(DUMP_DIR_ENV)
@@ -628,4 +659,12 @@ class KvcmasConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_saving = self._finished_saving, set()
+        done |= self._reap_saves()
+        if self._stats_changed:  # at most once a step, after the forward
+            self._write_stats()
+            self._stats_changed = False
         return (done or None), None
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self._copier.close()

@@ -15,6 +15,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -302,6 +303,10 @@ def _storage_users(t: torch.Tensor) -> int | None:
     return count(t.untyped_storage()._cdata) - 1  # less the storage object made to ask
 
 
+class PendingFill(Protocol):
+    def wait(self) -> BaseException | None: ...  # block until filled; the error, if any
+
+
 class SpanStore:
     """Worker-side tensors: per saved request one tensor ``[layers, 2, heads, n, D]`` (K and
     V of every layer in model order), so that a span of it is read as views, not copied.
@@ -315,6 +320,7 @@ class SpanStore:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self._kv: dict[str, torch.Tensor] = {}
+        self._filling: dict[str, PendingFill] = {}  # entries a copy still writes
         self.num_bytes = 0
         self.max_bytes = max_bytes  # None: keep no spares
         self._spares: list[torch.Tensor] = []  # flat buffers of dropped requests
@@ -339,15 +345,23 @@ class SpanStore:
     def __len__(self) -> int:
         return len(self._kv)
 
-    def put(self, key: str, kv: torch.Tensor) -> None:
+    def put(self, key: str, kv: torch.Tensor, filling: PendingFill | None = None) -> None:
+        """Hold ``kv`` as ``key``; ``filling``: a copy still writing it, which every read and
+        the drop of ``key`` wait for (:mod:`kvcmas.serve.save_copier`)."""
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise ValueError(f"saved KV must be [layers, 2, heads, n, D], got {tuple(kv.shape)}")
         self.drop(key)
         self._kv[key] = kv
+        if filling is not None:
+            self._filling[key] = filling
         self.num_bytes += kv.nbytes
         self._trim()
 
     def get(self, key: str) -> torch.Tensor:
+        filling = self._filling.pop(key, None)
+        if filling is not None and (error := filling.wait()) is not None:
+            self.drop(key)
+            raise KeyError(f"saving request {key!r} failed: {error!r}") from error
         if key not in self._kv:
             raise KeyError(f"span store holds no saved request {key!r}")
         return self._kv[key]
@@ -365,6 +379,9 @@ class SpanStore:
         return window[:, 0], window[:, 1]
 
     def drop(self, key: str) -> None:
+        filling = self._filling.pop(key, None)
+        if filling is not None:
+            filling.wait()  # never hand out memory a copy still writes into
         kv = self._kv.pop(key, None)
         if kv is None:
             return

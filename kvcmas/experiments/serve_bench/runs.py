@@ -319,7 +319,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
                 "store_bytes", "store_requests", "method_state_bytes", "built_requests",
                 "span_tokens", "served_tokens", "load_errors", "save_s", "load_s",
                 "build_s", "model_load_s", "flush_s", "saved_requests",
-                "reused_saves")}  # fmt: skip
+                "save_copy_s", "save_wait_s", "save_errors", "reused_saves")}  # fmt: skip
     return {
         "setup": {
             "model": side.name,
