@@ -94,6 +94,13 @@ def test_a_drop_waits_for_the_copy_and_its_memory_serves_the_next_save(copier):
     assert store.reused_saves == 1 and bool((reused == 1).all())
 
 
+def test_a_copy_writes_tensors_made_in_the_callers_inference_mode(copier):
+    with torch.inference_mode():  # as vLLM's worker runs: its tensors are inference tensors
+        kv = torch.zeros(SHAPE)
+        job = copier.submit("a", "ra", 4, lambda: kv.fill_(1))
+    assert job.wait() is None and bool((kv == 1).all())
+
+
 def test_a_failed_copy_is_reported_and_its_entry_cannot_be_read(copier):
     store = SpanStore()
 

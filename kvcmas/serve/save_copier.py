@@ -28,6 +28,9 @@ class SaveJob:
     def __init__(self, key: str, request_id: str, num_tokens: int, copy: Callable[[], None]):
         self.key, self.request_id, self.num_tokens = key, request_id, num_tokens
         self._copy: Callable[[], None] | None = copy
+        # Inference mode is per thread: tensors made under the caller's (vLLM's worker runs
+        # in it) may be written only under it.
+        self._inference_mode = torch.is_inference_mode_enabled()
         self.error: BaseException | None = None
         self.copy_s = 0.0  # seconds the copy ran (on the copier's thread)
         self.waited_s = 0.0  # seconds callers blocked in wait()
@@ -41,7 +44,8 @@ class SaveJob:
         copy, self._copy = self._copy, None
         start = time.perf_counter()
         try:
-            copy()
+            with torch.inference_mode(self._inference_mode):
+                copy()
         except Exception as err:  # reported by the connector, which releases the blocks
             self.error = err
         self.copy_s = time.perf_counter() - start
