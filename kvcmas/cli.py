@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
         args.store_bytes, args.max_model_len, options, args.min_span, args.max_namespaces,
-        args.session_state_bytes, args.min_gain,
+        args.session_state_bytes, args.min_gain, args.sync_saves,
     )
     if args.instances != 1:
         from kvcmas.serve.cluster import serve_cluster
@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "token the method recomputes of it (its repair head); shorter spans "
                         f"are left to vLLM's forward (default {DEFAULT_MIN_GAIN:g}, measured "
                         "on a 2-core CPU: see RESULTS.md; 0 builds every span)")
+    s.add_argument("--sync-saves", action="store_true",
+                   help="copy each finished request's KV into the span store inside the engine "
+                        "step (default: on a background thread while the engine runs on)")
     s.add_argument("--max-namespaces", type=int, default=None,
                    help="namespaces (tenants) whose method state (anchor pools) the connector "
                         "keeps; the least recently used beyond it is dropped "

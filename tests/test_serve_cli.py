@@ -122,11 +122,12 @@ def test_server_command_configures_connector_middleware_and_cpu():
     assert kv["kv_connector_extra_config"] == {
         "method": "exact", "store_bytes": 7 << 20, "method_config": {}}
     cfg = ServeConfig(Path("/m"), "m", "kvcmas", method_options={"tau": "0.9"}, min_span=40,
-                      max_namespaces=3, session_state_bytes=0)
+                      max_namespaces=3, session_state_bytes=0, sync_saves=True)
     extra = json.loads(server_command(cfg)[server_command(cfg).index("--kv-transfer-config")
                                            + 1])["kv_connector_extra_config"]
     assert extra["method_config"] == {"tau": "0.9"} and extra["min_span"] == 40
     assert extra["max_namespaces"] == 3 and extra["session_state_bytes"] == 0
+    assert extra["background_saves"] is False  # --sync-saves
     assert flags  # pairs parsed: the command is flag/value shaped
     env = server_env(Path("/tmp/stats.json"))
     assert env["KVCMAS_STATS_FILE"] == "/tmp/stats.json"

@@ -115,6 +115,7 @@ class ServeConfig:
     max_namespaces: int | None = None  # method objects (tenants' pools) kept; None: default
     session_state_bytes: int | None = None  # per method object; None: the connector's default
     min_gain: float | None = None  # served per recomputed token to build a span; None: default
+    sync_saves: bool = False  # copy saves inside the engine step, not on a background thread
 
     @property
     def url(self) -> str:
@@ -133,6 +134,7 @@ def server_command(cfg: ServeConfig) -> list[str]:
             "method_config": cfg.method_options or {},
             **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
             **({"min_gain": cfg.min_gain} if cfg.min_gain is not None else {}),
+            **({"background_saves": False} if cfg.sync_saves else {}),
             **({"max_namespaces": cfg.max_namespaces} if cfg.max_namespaces is not None else {}),
             **({"session_state_bytes": cfg.session_state_bytes}
                if cfg.session_state_bytes is not None else {}),  # fmt: skip

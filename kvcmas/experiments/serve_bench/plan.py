@@ -159,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=float, default=None,
                    help="the connector's cost rule (`kvcmas serve --min-gain`; default "
                         f"{DEFAULT_MIN_GAIN:g})")
+    p.add_argument("--sync-saves", action="store_true",
+                   help="the connector copies saves inside the engine step (`kvcmas serve "
+                        "--sync-saves`; default: on a background thread)")
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)

@@ -273,7 +273,7 @@ def method_server(
         kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
         max_model_len=max_model_len,
         method_options=method.options or None, session_state_bytes=args.session_state_bytes,
-        min_gain=args.min_gain,
+        min_gain=args.min_gain, sync_saves=args.sync_saves,
     )  # fmt: skip
     if args.instances != 1:
         log(f"{method.name}: starting {args.instances} vLLM instances with the connector "
@@ -344,6 +344,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "store_bytes": args.store_bytes,
             "session_state_bytes": args.session_state_bytes,
             "min_gain": DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
+            "sync_saves": args.sync_saves,
             "source": args.source,
             "methods": {
                 m.name: {"server_method": m.server_method, "options": m.options}
