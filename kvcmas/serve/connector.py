@@ -215,7 +215,11 @@ class KvcmasConnector(KVConnectorBase_V1):
                                  f"got {self.session_state_bytes}")
             self._load_errors: set[int] = set()
             self._finished_saving: set[str] = set()  # released without a copy
-            self._copier = SaveCopier(background=bool(extra("background_saves", True)))
+            background = extra("background_saves", True)
+            if not isinstance(background, bool):  # JSON's true/false; "false" must not pass
+                raise ValueError("KvcmasConnector: background_saves must be true or false, "
+                                 f"got {background!r}")
+            self._copier = SaveCopier(background=background)
             self._stats_changed = False
             self._stats = {"saved_requests": 0, "saved_tokens": 0, "injected_requests": 0,
                            "injected_tokens": 0, "dropped_requests": 0, "built_requests": 0,
