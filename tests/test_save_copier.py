@@ -43,7 +43,7 @@ def release_later(go: threading.Event, seconds: float = 0.05) -> threading.Timer
 def test_copies_run_in_order_on_one_thread_with_one_torch_thread(copier):
     seen = []
     caller_threads = torch.get_num_threads()
-    jobs = [copier.submit(f"k{i}", f"r{i}", 1, lambda i=i: seen.append(
+    jobs = [copier.submit(f"r{i}", 1, lambda i=i: seen.append(
         (i, threading.current_thread().name, torch.get_num_threads()))) for i in range(3)]
     for job in jobs:
         assert job.wait() is None
@@ -61,9 +61,9 @@ def test_copies_run_in_order_on_one_thread_with_one_torch_thread(copier):
 
 def test_reap_reports_each_finished_job_once_and_not_a_running_one(copier):
     go = threading.Event()
-    done = copier.submit("a", "ra", 4, lambda: None)
+    done = copier.submit("ra", 4, lambda: None)
     done.wait()
-    running = copier.submit("b", "rb", 4, held_copy(torch.zeros(SHAPE), go))
+    running = copier.submit("rb", 4, held_copy(torch.zeros(SHAPE), go))
     assert [j.request_id for j in copier.reap()] == ["ra"]
     assert copier.reap() == []
     go.set()
@@ -74,7 +74,7 @@ def test_reap_reports_each_finished_job_once_and_not_a_running_one(copier):
 def test_a_read_waits_for_the_copy_still_filling_the_entry(copier):
     store = SpanStore()
     kv, go = torch.zeros(SHAPE), threading.Event()
-    store.put("a", kv, filling=copier.submit("a", "ra", 4, held_copy(kv, go)))
+    store.put("a", kv, filling=copier.submit("ra", 4, held_copy(kv, go)))
     release_later(go)
     k, v = store.read("a", 0, 4)  # returns only once the copy has filled it
     assert bool((k == 1).all()) and bool((v == 1).all())
@@ -83,7 +83,7 @@ def test_a_read_waits_for_the_copy_still_filling_the_entry(copier):
 def test_a_drop_waits_for_the_copy_and_its_memory_serves_the_next_save(copier):
     store = SpanStore(max_bytes=1 << 20)
     kv, go = torch.zeros(SHAPE), threading.Event()
-    job = copier.submit("a", "ra", 4, held_copy(kv, go))
+    job = copier.submit("ra", 4, held_copy(kv, go))
     store.put("a", kv, filling=job)
     del kv
     release_later(go)
@@ -97,7 +97,7 @@ def test_a_drop_waits_for_the_copy_and_its_memory_serves_the_next_save(copier):
 def test_a_copy_writes_tensors_made_in_the_callers_inference_mode(copier):
     with torch.inference_mode():  # as vLLM's worker runs: its tensors are inference tensors
         kv = torch.zeros(SHAPE)
-        job = copier.submit("a", "ra", 4, lambda: kv.fill_(1))
+        job = copier.submit("ra", 4, lambda: kv.fill_(1))
     assert job.wait() is None and bool((kv == 1).all())
 
 
@@ -107,7 +107,7 @@ def test_a_failed_copy_is_reported_and_its_entry_cannot_be_read(copier):
     def broken() -> None:
         raise RuntimeError("blocks unreadable")
 
-    job = copier.submit("a", "ra", 4, broken)
+    job = copier.submit("ra", 4, broken)
     store.put("a", torch.zeros(SHAPE), filling=job)
     job.wait()
     [reaped] = copier.reap()
@@ -120,6 +120,6 @@ def test_a_failed_copy_is_reported_and_its_entry_cannot_be_read(copier):
 def test_without_background_the_copy_runs_inside_submit():
     copier = SaveCopier(background=False)
     seen = []
-    job = copier.submit("a", "ra", 4, lambda: seen.append(threading.current_thread()))
+    job = copier.submit("ra", 4, lambda: seen.append(threading.current_thread()))
     assert job.done and seen == [threading.current_thread()]
     assert [j.request_id for j in copier.reap()] == ["ra"]

@@ -25,6 +25,28 @@ import torch
 MODES = ("idle", "thread", "inline")
 
 
+def start_torch_thread(target: Callable[[], None], name: str, threads: int) -> threading.Thread:
+    """Start a daemon thread running ``target`` with ``threads`` torch intra-op threads.
+
+    ``torch.set_num_threads`` on a new thread also changes the count that later threads start
+    with; the caller's global count is given back once the thread has fixed its own.
+    """
+    caller_threads = torch.get_num_threads()
+    started = threading.Event()
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # fixes this thread's count before the global one is restored
+        started.set()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    started.wait()
+    torch.set_num_threads(caller_threads)
+    return thread
+
+
 class BackgroundWork:
     def __init__(self, mode: str = "idle"):
         if mode not in MODES:
@@ -55,11 +77,9 @@ class BackgroundWork:
         if self.mode == "thread" and self._worker is None:
             # The worker uses the submitter's torch thread count: a new thread's OpenMP team
             # may default to another size, which changes the SVD's rounding.
-            threads = torch.get_num_threads()
-            self._worker = threading.Thread(
-                target=self._serve, args=(threads,), name="kvcmas-anchors", daemon=True
+            self._worker = start_torch_thread(
+                self._serve, "kvcmas-anchors", torch.get_num_threads()
             )
-            self._worker.start()
 
     def pending(self, key: Hashable | None = None) -> int:
         with self._lock:
@@ -107,8 +127,7 @@ class BackgroundWork:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _serve(self, threads: int) -> None:
-        torch.set_num_threads(threads)
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._jobs:

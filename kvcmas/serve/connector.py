@@ -470,15 +470,16 @@ class KvcmasConnector(KVConnectorBase_V1):
         kv = self.store.new((len(self._layers), 2, heads, order.num_tokens, head_dim),
                             first.dtype, first.device)  # fmt: skip
         caches = [self.kv_caches[name] for name in self._layers]
+        block_ids = torch.as_tensor(order.block_ids, dtype=torch.long)  # once, not per layer
 
         def copy() -> None:  # vLLM keeps the blocks until get_finished reports the request
             for i, cache in enumerate(caches):
-                read_span(cache, order.block_ids, 0, order.num_tokens,
+                read_span(cache, block_ids, 0, order.num_tokens,
                           packing=self._packing, out=(kv[i, 0], kv[i, 1]))  # fmt: skip
             if order.dump:  # test hook: the KV as read back from vLLM's blocks, layers in order
                 self._dump(order.request_id, kv)
 
-        job = self._copier.submit(order.key, order.request_id, order.num_tokens, copy)
+        job = self._copier.submit(order.request_id, order.num_tokens, copy)
         self.store.put(order.key, kv, filling=job)
 
     def _reap_saves(self) -> set[str]:

@@ -21,12 +21,14 @@ from collections.abc import Callable
 
 import torch
 
+from kvcmas.methods.background import start_torch_thread
+
 
 class SaveJob:
     """One copy: ``copy`` runs once; ``error`` holds what it raised."""
 
-    def __init__(self, key: str, request_id: str, num_tokens: int, copy: Callable[[], None]):
-        self.key, self.request_id, self.num_tokens = key, request_id, num_tokens
+    def __init__(self, request_id: str, num_tokens: int, copy: Callable[[], None]):
+        self.request_id, self.num_tokens = request_id, num_tokens
         self._copy: Callable[[], None] | None = copy
         # Inference mode is per thread: tensors made under the caller's (vLLM's worker runs
         # in it) may be written only under it.
@@ -72,10 +74,8 @@ class SaveCopier:
         self._queue: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(
-        self, key: str, request_id: str, num_tokens: int, copy: Callable[[], None]
-    ) -> SaveJob:
-        job = SaveJob(key, request_id, num_tokens, copy)
+    def submit(self, request_id: str, num_tokens: int, copy: Callable[[], None]) -> SaveJob:
+        job = SaveJob(request_id, num_tokens, copy)
         self._jobs.append(job)
         if not self.background:
             job.run()
@@ -101,22 +101,10 @@ class SaveCopier:
     def _start(self) -> None:
         if self._thread is not None:
             return
-        threads = torch.get_num_threads()
-        started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, args=(started,), name="kvcmas-save", daemon=True
-        )
-        self._thread.start()
-        started.wait()
-        # torch.set_num_threads on the copier's thread also changed the count new threads
-        # start with: give that back (this thread's own count is unchanged by either call).
-        torch.set_num_threads(threads)
-
-    def _loop(self, started: threading.Event) -> None:
         # One thread of torch work: the engine's forward keeps its cores (more would
         # oversubscribe them, and OpenMP threads that spin at barriers slow the forward).
-        torch.set_num_threads(1)
-        torch.get_num_threads()  # fixes this thread's count before the global one is restored
-        started.set()
+        self._thread = start_torch_thread(self._loop, "kvcmas-save", threads=1)
+
+    def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
             job.run()
