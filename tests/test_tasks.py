@@ -10,7 +10,7 @@ import pytest
 
 from kvcmas.chat import SLOT_PATTERN
 from kvcmas.errors import UsageError
-from kvcmas.eval.summary import run_summary
+from kvcmas.eval.summary import RATIO_KEYS, run_summary
 from kvcmas.eval.tasks import TASKS, extract_answer, load_workflow, score, task_workflow
 from kvcmas.experiments import EXPERIMENT_MODULES, report, smoke
 from kvcmas.experiments.accuracy import merge as acc_merge
@@ -362,6 +362,28 @@ def test_merge_keeps_each_parts_method_options_per_label():
     assert f"options set (the rest at their defaults): {given}" in table
     again = acc_merge.merge_reports([merged])  # a merged report merges again unchanged
     assert again["setup"]["label_options"] == merged["setup"]["label_options"]
+
+
+def test_merge_gives_no_ratio_across_machines():
+    """A part run on another machine keeps its accuracy and agreement but not its timing
+    ratios to NonShared; merging the merge again keeps that."""
+    a = _part({"nonshared": {"mmlu": ["A", "B"]}, "kvcmas": {"mmlu": ["A", "C"]}})
+    b = _part({"cacheblend": {"mmlu": ["A", "B"]}})
+    a["setup"]["machine"], b["setup"]["machine"] = "cpu (x86_64, AVX512-BF16)", "cpu (x86_64, AVX2)"
+    merged = acc_merge.merge_reports([a, b])
+    s = merged["summary"]
+    assert s["kvcmas"]["mmlu"]["ttft_later_ratio"] == pytest.approx(0.25)
+    assert s["cacheblend"]["mmlu"]["agreement"] == 1.0
+    assert all(s["cacheblend"]["mmlu"][key] is None for key in RATIO_KEYS)
+    assert "Timed on another machine than NonShared" in acc_report.markdown_table(merged)
+    again = acc_merge.merge_reports([merged])
+    assert again["summary"]["cacheblend"]["mmlu"]["ttft_later_ratio"] is None
+    assert again["setup"]["label_machines"]["cacheblend"] == "cpu (x86_64, AVX2)"
+    same = acc_merge.merge_reports(
+        [a, {**b, "setup": {**b["setup"], "machine": "cpu (x86_64, AVX512-BF16)"}}]
+    )
+    assert "label_machines" not in same["setup"]
+    assert same["summary"]["cacheblend"]["mmlu"]["ttft_later_ratio"] == pytest.approx(0.25)
 
 
 def test_merge_refuses_parts_that_do_not_fit():

@@ -5,6 +5,9 @@ which agreement and the TTFT / latency / compute ratios are recomputed. Method o
 differ between parts (KVCMAS with graded repair in one part, CacheBlend at its defaults in
 another): each label keeps the options its own part gave it, and the table states them. A
 label present in two parts for the same benchmark is an error rather than a silent overwrite.
+Parts may run on different machines (accuracy and agreement do not depend on the machine's
+speed), but a label timed on another machine than NonShared gets no TTFT, latency or compute
+ratio: a ratio across machines measures the machines.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcmas.errors import UsageError
+from kvcmas.eval.summary import RATIO_KEYS
 from kvcmas.eval.tasks import TASKS
 from kvcmas.experiments.accuracy.runs import add_task_ratios, agreement_figures, mark_agreement
 from kvcmas.experiments.common import read_results
@@ -107,7 +111,24 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             summary[label][task].update(agreement_figures(records))
     for task in setup["sizes"]:
         add_task_ratios(summary, task)
+    machines = label_machines(reports)
+    if len(set(machines.values())) > 1:
+        setup["label_machines"] = machines
+        for label, machine in machines.items():
+            if machine != machines["nonshared"]:
+                for per_task in summary[label].values():
+                    per_task.update(dict.fromkeys(RATIO_KEYS))
     return {"setup": setup, "summary": summary, "items": items}
+
+
+def label_machines(reports: list[dict[str, Any]]) -> dict[str, str]:
+    """The machine each label ran on (a merged part keeps its own labels' machines)."""
+    machines: dict[str, str] = {}
+    for r in reports:
+        own = r["setup"].get("label_machines", {})
+        for label in r["summary"]:
+            machines[label] = own.get(label, r["setup"]["machine"])
+    return machines
 
 
 def read_parts(dirs: list[str]) -> list[dict[str, Any]]:

@@ -80,6 +80,14 @@ def markdown_table(report: dict[str, Any]) -> str:
             for label, o in options.items()
         )
         lines += ["", f"Method options set (the rest at their defaults): {given}."]
+    elsewhere = {
+        label: machine
+        for label, machine in s.get("label_machines", {}).items()
+        if machine != s["label_machines"]["nonshared"]
+    }
+    if elsewhere:
+        where = "; ".join(f"{label} on {m}" for label, m in elsewhere.items())
+        lines += ["", f"Timed on another machine than NonShared (no ratio, marked -): {where}."]
     lines += efficiency_table(report, tasks)
     if s["fidelity"]:
         lines += fidelity_table(report, tasks)
