@@ -7,15 +7,20 @@ import platform
 from pathlib import Path
 
 
-def cpu_name() -> str:
-    """The CPU model (Linux ``/proc/cpuinfo``), else the platform's processor string."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of ``field`` in Linux ``/proc/cpuinfo``; None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU model, else the platform's processor string."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 # The widest matrix/vector extension first: bf16 speed (and some fp32 kernels) follow it, and
@@ -25,15 +30,9 @@ _ISA_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "
 
 
 def vector_isa() -> str:
-    """The CPU's widest extension of :data:`_ISA_FLAGS` (Linux ``/proc/cpuinfo``), else ''."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return next((name for flag, name in _ISA_FLAGS if flag in flags), "")
-    except OSError:
-        pass
-    return ""
+    """The CPU's widest extension of :data:`_ISA_FLAGS`, else ''."""
+    flags = set((_cpuinfo("flags") or "").split())
+    return next((name for flag, name in _ISA_FLAGS if flag in flags), "")
 
 
 def machine_description() -> str:
