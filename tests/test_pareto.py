@@ -156,6 +156,7 @@ def test_merge_draws_every_parts_methods_on_one_frontier_plot(tmp_path):
     table = (out / "table.md").read_text()
     assert "| k1 |" in table and table.count(" part |") == 1
     assert f"`{b}` (fidelity fp32, timing none; other cpu" in table
+    assert "{'part'" not in table  # the parts are listed once, not dumped into the setup line
     assert (out / "pareto_64.png").is_file()
 
 
@@ -175,6 +176,78 @@ def test_merge_refuses_other_documents_a_point_twice_and_a_serving_run(tmp_path)
     with pytest.raises(UsageError, match="not a `kvcmas bench pareto` run"):
         pareto.run(parse("--merge", a, str(serve), "--out", str(tmp_path / "m3")))
     assert not (tmp_path / "m2").exists()  # a refused merge writes nothing
+
+
+def _halves(tmp_path, name: str, which: str, points: list[tuple[str, str]]) -> str:
+    """A pareto part at one size that ran only its ``which`` pass ('fidelity' or 'timing') of
+    NonShared, the noise floor and the given (method, label) points."""
+    rows = []
+    for method, label in [("nonshared", "nonshared"), (NOISE_FLOOR, NOISE_FLOOR), *points]:
+        fid, tim = which == "fidelity", which == "timing"
+        rows.append({
+            "label": label, "method": method, "params": {"knob": label},
+            "first_token_kl": 0.01 if fid else None, "continuation_kl": 0.02 if fid else None,
+            "final_agreement": 1.0 if fid else None, "rho_later": 0.9 if fid else None,
+            "recompute_later": 0.1 if fid else None, "fidelity": {"run": name} if fid else None,
+            "ttft_speedup_later": 3.0 if tim else None, "e2e_speedup": 1.5 if tim else None,
+            "compute_ratio": 0.7 if tim else None, "timing": {"run": name} if tim else None,
+        })  # fmt: skip
+    results = _two_point_results()
+    results["sizes"][0]["points"] = rows
+    dtype = "fidelity fp32, timing none" if fid else "fidelity none, timing bf16"
+    results["setup"]["dtype"] = dtype
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+    return str(folder)
+
+
+def test_merge_joins_a_fidelity_only_part_with_a_timing_only_part_of_the_same_points(tmp_path):
+    from kvcmas.experiments import pareto
+
+    fid = _halves(tmp_path, "fid", "fidelity", [("kvcmas", "k1"), ("headrecompute", "h1")])
+    tim = _halves(tmp_path, "tim", "timing", [("kvcmas", "k1")])
+    out = tmp_path / "merged"
+    assert pareto.run(parse("--merge", fid, tim, "--out", str(out))) == 0
+    rows = _merged_rows(out)
+    for label in ("nonshared", NOISE_FLOOR, "k1"):  # both halves: one row, fidelity first
+        r = rows[label]
+        assert r["part"] == "1+2"
+        assert r["fidelity"] == {"run": "fid"} and r["first_token_kl"] == 0.01
+        assert r["timing"] == {"run": "tim"} and r["ttft_speedup_later"] == 3.0
+        assert r["compute_ratio"] == 0.7 and r["params"] == {"knob": label}
+    assert rows["h1"]["part"] == 1 and rows["h1"]["ttft_speedup_later"] is None  # not timed
+    assert "a row of part F+T joins" in (out / "table.md").read_text()
+    # the same halves in the other order join the same way
+    back = tmp_path / "back"
+    assert pareto.run(parse("--merge", tim, fid, "--out", str(back))) == 0
+    k1 = _merged_rows(back)["k1"]
+    assert k1["part"] == "2+1" and k1["first_token_kl"] == 0.01 and k1["e2e_speedup"] == 1.5
+    # two fidelity halves of one point are still the same point twice
+    again = _halves(tmp_path, "again", "fidelity", [("kvcmas", "k1")])
+    with pytest.raises(UsageError, match="k1 at N=64 is in both"):
+        pareto.run(parse("--merge", fid, again, "--out", str(tmp_path / "m")))
+
+
+def _merged_rows(out) -> dict:
+    merged = json.loads((out / "results.json").read_text())
+    return {r["label"]: r for r in merged["sizes"][0]["points"]}
+
+
+def test_a_timing_only_pass_gives_the_noise_floor_nonshareds_timing():
+    from kvcmas.experiments.pareto.runs import merge_points
+
+    points = [Point("nonshared"), Point("kvcmas", {"tau": 1.0})]
+    tim = {
+        "nonshared": {"ttft_later_ratio": 1.0, "latency_ratio": 1.0, "params": {}},
+        "kvcmas(tau=1.0)": {"ttft_later_ratio": 0.5, "latency_ratio": 0.8, "params": {"tau": 1.0}},
+    }
+    rows = {r["label"]: r for r in merge_points(points, {}, tim, floor=True)}
+    assert list(rows) == ["nonshared", "kvcmas(tau=1.0)", NOISE_FLOOR]
+    assert rows[NOISE_FLOOR]["timing"] is tim["nonshared"] and rows[NOISE_FLOOR]["fidelity"] is None
+    assert rows["kvcmas(tau=1.0)"]["ttft_speedup_later"] == 2.0
+    assert rows["kvcmas(tau=1.0)"]["params"] == {"tau": 1.0}
+    assert NOISE_FLOOR not in {r["label"] for r in merge_points(points, {}, tim, floor=False)}
 
 
 def test_split_selects_the_documents_source_split():
@@ -232,6 +305,7 @@ def parse(*argv: str) -> argparse.Namespace:
         (("--sizes", "0"), "sizes"),
         (("--agents", "9"), "agents"),
         (("--max-points", "7"), "max-points"),
+        (("--no-timing", "--no-fidelity"), "nothing to run"),
     ],
 )
 def test_check_args_refuses_bad_plans(argv, message):

@@ -114,7 +114,8 @@ def setup(loaded: LoadedModel, dtype: str, **sizes: Any) -> dict[str, Any]:
 def setup_lines(s: dict[str, Any]) -> list[str]:
     """Markdown lines stating the setup of a results dict (model, dtype, sizes, machine)."""
     fixed = ("model", "dtype", "machine", "torch_threads", "python", "torch")
-    sizes = ", ".join(f"{k} {fmt_value(v)}" for k, v in s.items() if k not in fixed)
+    listed = ("parts",)  # a merge's parts: its report lists them, one line each
+    sizes = ", ".join(f"{k} {fmt_value(v)}" for k, v in s.items() if k not in fixed + listed)
     return [
         f"Model {s['model']} ({s['dtype']}); machine {s['machine']}; torch {s['torch']}.",
         "",

@@ -139,6 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the source's split: choose knobs on 'validation' (calibration), report on 'test'",
     )  # fmt: skip
     p.add_argument("--no-timing", action="store_true", help="fidelity pass only")
+    p.add_argument(
+        "--no-fidelity", action="store_true",
+        help="timing pass only: --merge joins it with a --no-timing part of the same points",
+    )  # fmt: skip
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 point")
     p.add_argument(
         "--rerender", action="store_true",
@@ -160,6 +164,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --warmup >= 0, --measure >= 1 and --output-tokens >= 1")
     if not args.sizes or any(s < 1 for s in args.sizes):
         raise UsageError("--sizes must be positive token counts")
+    if args.no_timing and args.no_fidelity:
+        raise UsageError("--no-timing and --no-fidelity together leave nothing to run")
     if not 2 <= args.agents <= len(ROLES):
         raise UsageError(f"--agents must be in 2..{len(ROLES)}")
     try:

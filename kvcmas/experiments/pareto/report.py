@@ -145,7 +145,8 @@ def _parts_lines(parts: list[dict[str, Any]]) -> list[str]:
     """A merged report's parts: where each came from. Speedups are ratios to a part's own
     NonShared; fidelity figures compare across parts (same documents, deterministic)."""
     lines = ["", "Parts merged into this report (`kvcmas bench pareto --merge`); a speedup is "
-             "a ratio to its own part's NonShared timing:", ""]
+             "a ratio to its own part's NonShared timing; a row of part F+T joins part F's "
+             "fidelity with part T's timing of the same point:", ""]
     for p in parts:
         wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
         lines.append(f"* part {p['part']}: `{p['dir']}` ({p['dtype']}; {p['machine']}{wall})")

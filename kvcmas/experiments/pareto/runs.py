@@ -84,8 +84,8 @@ def timing_pass(loaded: LoadedModel, workflow, points, docs, warmup, log) -> dic
     """Per point label: timing figures and ratios to NonShared (the first point)."""
     out = {}
     for point in points:
-        results, _ = run_point(loaded, workflow, point, docs, warmup, None, log)
-        out[point.label] = run_summary(results)
+        results, method = run_point(loaded, workflow, point, docs, warmup, None, log)
+        out[point.label] = {**run_summary(results), "params": method.params()}
     add_ratios({label: s for label, s in out.items()}, baseline="nonshared")
     for label, s in out.items():
         log(f"  timing {label}: TTFT 2+ x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}")
@@ -108,24 +108,28 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     texts = source_texts(args.source, args.split)
     count = args.warmup + args.measure
     all_docs = {s: documents(reference.tokenizer, texts, s, count) for s in sizes}
-    bf16 = None if args.no_noise_floor else load_model(args.model, "bf16", args.device)
+    floor = not args.no_noise_floor
+    bf16 = None if args.no_fidelity or not floor else load_model(args.model, "bf16", args.device)
     timed = None
     if not args.no_timing:
         same = args.dtype == "bf16" and bf16
         timed = bf16 if same else load_model(args.model, args.dtype, args.device)
     by_size = []
     for size, docs in all_docs.items():
-        log(f"size {size}: fidelity pass (fp32), {len(points)} points")
-        fid = fidelity_pass(reference, bf16, workflow, points, docs, args.warmup, log)
+        fid = {}
+        if not args.no_fidelity:
+            log(f"size {size}: fidelity pass (fp32), {len(points)} points")
+            fid = fidelity_pass(reference, bf16, workflow, points, docs, args.warmup, log)
         tim = {}
         if timed is not None:
             log(f"size {size}: timing pass ({args.dtype})")
             tim = timing_pass(timed, workflow, points, docs, args.warmup, log)
-        by_size.append({"size": size, "points": merge_points(points, fid, tim)})
+        by_size.append({"size": size, "points": merge_points(points, fid, tim, floor)})
     return {
         "setup": common.setup(
             reference,
-            f"fidelity fp32, timing {'none' if args.no_timing else args.dtype}",
+            f"fidelity {'none' if args.no_fidelity else 'fp32'}, "
+            f"timing {'none' if args.no_timing else args.dtype}",
             **trace_fields(args, sizes),
             split=args.split,
         ),
@@ -134,9 +138,10 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     }
 
 
-def merge_points(points: list[Point], fid: dict, tim: dict) -> list[dict[str, Any]]:
-    """One row per point: its knobs, the fidelity figures and the timing figures."""
-    labels = [p.label for p in points] + [lb for lb in fid if lb not in {p.label for p in points}]
+def merge_points(points: list[Point], fid: dict, tim: dict, floor: bool) -> list[dict[str, Any]]:
+    """One row per point (and the noise floor's, if ``floor``): its knobs, the fidelity figures
+    and the timing figures; a pass not run leaves its figures None."""
+    labels = [p.label for p in points] + ([NOISE_FLOOR] if floor else [])
     methods = {p.label: p.method for p in points}
     rows = []
     for label in labels:
@@ -147,7 +152,7 @@ def merge_points(points: list[Point], fid: dict, tim: dict) -> list[dict[str, An
             {
                 "label": label,
                 "method": methods.get(label, label),
-                "params": (f or {}).get("params"),
+                "params": (f or t or {}).get("params"),
                 "ttft_speedup_later": speedup(t, "ttft_later_ratio"),
                 "e2e_speedup": speedup(t, "latency_ratio"),
                 "compute_ratio": (t or {}).get("compute_ratio"),
