@@ -16,7 +16,7 @@ import torch
 
 from kvcmas.chat import render_segments, tokenize
 from kvcmas.errors import WorkflowError
-from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.fidelity import MEMO_BYTES, FidelityObserver, ReferenceHop, ReferenceMemo
 from kvcmas.methods import make_method
 from kvcmas.methods.fullshared import FullShared
 from kvcmas.methods.nonshared import NonShared
@@ -547,3 +547,51 @@ def test_cli_request_missing_input_exits_2_before_loading_a_model(tmp_path, caps
     code = main(["run", "--workflow", str(path), "--method", "nonshared", "--question", "q"])
     err = capsys.readouterr().err
     assert code == 2 and "context" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the reference memo
+
+
+@pytest.mark.real_model
+def test_one_observer_over_several_runs_computes_each_reference_once(
+    real_model, nonshared_roles, fullshared_roles
+):
+    observer = FidelityObserver(real_model, memo_bytes=MEMO_BYTES)
+    shared = [
+        Runner(real_model, three_roles(), method, observer=observer).run({"query": QUESTION})
+        for method in (NonShared(), FullShared())
+    ]
+    # the same figures as observers of their own (the fixtures' runs) ...
+    for fresh, memo in zip((nonshared_roles[0], fullshared_roles[0]), shared, strict=True):
+        assert figures(memo) == figures(fresh)
+    # ... while FullShared's first hop reads NonShared's first hop's tokens: one reference
+    n = len(shared[0].hops)
+    assert observer.memo.misses + observer.memo.hits == 2 * n
+    assert observer.memo.hits >= 1
+    rerun = Runner(real_model, three_roles(), NonShared(), observer=observer)
+    again = rerun.run({"query": QUESTION})
+    assert observer.memo.hits + observer.memo.misses == 3 * n
+    assert observer.memo.hits >= n + 1  # a second NonShared run reads only known prompts
+    assert figures(again) == figures(shared[0])
+
+
+def figures(result) -> list[dict]:
+    """Each hop's fidelity figures, without the observer's own time."""
+    return [
+        {k: v for k, v in h.fidelity.items() if not k.startswith("observer_")} for h in result.hops
+    ]
+
+
+def test_the_reference_memo_stores_within_its_bytes_and_then_keeps_what_it_has():
+    def hop(tokens: int) -> ReferenceHop:  # 8 bytes a token in K, V and rows
+        t = torch.zeros(1, 1, tokens, 1, dtype=torch.float16)
+        return ReferenceHop(0, t, t, [], [0], torch.zeros(tokens, 1, dtype=torch.float16))
+
+    memo = ReferenceMemo(max_bytes=100)
+    assert memo.get_or_compute(("a",), lambda: hop(6)).nbytes == 36
+    memo.get_or_compute(("b",), lambda: hop(6))
+    memo.get_or_compute(("c",), lambda: hop(6))  # 108 bytes: not kept
+    assert list(memo.entries) == [("a",), ("b",)] and memo.bytes == 72
+    memo.get_or_compute(("a",), lambda: pytest.fail("a is known"))
+    assert (memo.hits, memo.misses) == (1, 3)
+    assert ReferenceMemo(max_bytes=0).get_or_compute(("a",), lambda: hop(1)) is not None

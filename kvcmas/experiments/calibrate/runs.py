@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.fidelity import MEMO_BYTES, FidelityObserver
 from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, mean, run_summary
 from kvcmas.experiments.calibrate.plan import Plan
 from kvcmas.experiments.cells import fmt
@@ -93,7 +93,9 @@ class OnlineRuns:
         requests: list[dict],
         log: Callable[[str], None] = lambda _: None,
     ):
-        self.loaded, self.reference, self.workflow = loaded, reference, workflow
+        self.loaded, self.workflow = loaded, workflow
+        # one observer for every run of the stream: each distinct hop's reference once
+        self.observer = FidelityObserver(reference, memo_bytes=MEMO_BYTES)
         self.requests, self.log = requests, log
         self.results: dict[str, list[RequestResult]] = {}
         self.methods: dict[str, Method] = {}
@@ -103,7 +105,7 @@ class OnlineRuns:
         """The run of method ``name`` with ``options`` (a fresh method: empty pools)."""
         if label not in self.results:
             method = make_method(name, options)
-            runner = Runner(self.loaded, self.workflow, method, FidelityObserver(self.reference))
+            runner = Runner(self.loaded, self.workflow, method, self.observer)
             n = len(self.requests)
             progress = lambda i, _: self.log(f"{label}: request {i + 1}/{n}")  # noqa: E731
             self.results[label] = list(runner.run_stream(self.requests, progress))

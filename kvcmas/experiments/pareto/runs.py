@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from kvcmas.eval.fidelity import FidelityObserver
+from kvcmas.eval.fidelity import MEMO_BYTES, FidelityObserver
 from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, run_summary
 from kvcmas.experiments import common
 from kvcmas.experiments.compare import fmt
@@ -41,13 +41,12 @@ def run_point(
     point: Point,
     docs: list[str],
     warmup: int,
-    reference: LoadedModel | None,
+    observer: FidelityObserver | None,
     log: Log,
 ) -> tuple[list[RequestResult], Any]:
-    """One point over the measured documents (after its warm-ups); ``reference`` adds the
-    fidelity observer. Every agent output has exactly its budget (end-of-turn ignored)."""
+    """One point over the measured documents (after its warm-ups), measured by ``observer``
+    if given. Every agent output has exactly its budget (end-of-turn ignored)."""
     method = make_method(point.method, point.options)
-    observer = FidelityObserver(reference) if reference is not None else None
     runner = Runner(loaded, workflow, method, observer=observer)
     runner.stop = set()  # as common.trace_runner(ignore_eos=True)
     n_warm = warmup if keeps_state(method) else 0
@@ -58,15 +57,17 @@ def run_point(
 def fidelity_pass(
     reference: LoadedModel, bf16: LoadedModel | None, workflow, points, docs, warmup, log
 ) -> dict[str, dict[str, Any]]:
-    """Per point label: fidelity and reuse figures against fp32 NonShared."""
+    """Per point label: fidelity and reuse figures against fp32 NonShared. One observer
+    watches every point, so each distinct hop's dense reference is computed once."""
     n_layers = reference.config.n_layers
+    observer = FidelityObserver(reference, memo_bytes=MEMO_BYTES)
     out: dict[str, dict[str, Any]] = {}
     baseline: list[RequestResult] = []
     runs = [(p, reference) for p in points]
     if bf16 is not None:
         runs.append((Point("nonshared", dtype="bf16"), bf16))
     for point, loaded in runs:
-        results, method = run_point(loaded, workflow, point, docs, warmup, reference, log)
+        results, method = run_point(loaded, workflow, point, docs, warmup, observer, log)
         if point.method == "nonshared" and point.dtype == "fp32":
             baseline = results
         s = {**run_summary(results), **fidelity_summary(results, n_layers)}
@@ -75,7 +76,8 @@ def fidelity_pass(
         out[point.label] = s
         log(
             f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
-            f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')}"
+            f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')};"
+            f" references computed {observer.memo.misses}, reused {observer.memo.hits}"
         )
     return out
 
