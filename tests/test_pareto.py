@@ -104,6 +104,13 @@ def test_the_table_states_where_kvcmas_is_not_on_or_above():
     assert "on end-to-end speedup and KL: headrecompute on or above." in text
 
 
+def test_a_partial_runs_table_says_so():
+    results = _two_point_results()
+    add_frontiers(results)
+    assert "Partial" not in markdown(results)
+    assert "**Partial: the points finished so far**" in markdown({**results, "partial": True})
+
+
 def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
     from kvcmas.experiments import pareto
 
@@ -178,9 +185,12 @@ def test_merge_refuses_other_documents_a_point_twice_and_a_serving_run(tmp_path)
     assert not (tmp_path / "m2").exists()  # a refused merge writes nothing
 
 
-def _halves(tmp_path, name: str, which: str, points: list[tuple[str, str]]) -> str:
+def _halves(
+    tmp_path, name: str, which: str, points: list[tuple[str, str]], partial: bool = False
+) -> str:
     """A pareto part at one size that ran only its ``which`` pass ('fidelity' or 'timing') of
-    NonShared, the noise floor and the given (method, label) points."""
+    NonShared, the noise floor and the given (method, label) points; ``partial``: a run
+    stopped early (what it saved after its last finished point)."""
     rows = []
     for method, label in [("nonshared", "nonshared"), (NOISE_FLOOR, NOISE_FLOOR), *points]:
         fid, tim = which == "fidelity", which == "timing"
@@ -196,6 +206,9 @@ def _halves(tmp_path, name: str, which: str, points: list[tuple[str, str]]) -> s
     results["sizes"][0]["points"] = rows
     dtype = "fidelity fp32, timing none" if fid else "fidelity none, timing bf16"
     results["setup"]["dtype"] = dtype
+    results["wall_s"] = 60.0
+    if partial:
+        results["partial"] = True
     folder = tmp_path / name
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps(results))
@@ -206,7 +219,7 @@ def test_merge_joins_a_fidelity_only_part_with_a_timing_only_part_of_the_same_po
     from kvcmas.experiments import pareto
 
     fid = _halves(tmp_path, "fid", "fidelity", [("kvcmas", "k1"), ("headrecompute", "h1")])
-    tim = _halves(tmp_path, "tim", "timing", [("kvcmas", "k1")])
+    tim = _halves(tmp_path, "tim", "timing", [("kvcmas", "k1")], partial=True)
     out = tmp_path / "merged"
     assert pareto.run(parse("--merge", fid, tim, "--out", str(out))) == 0
     rows = _merged_rows(out)
@@ -217,7 +230,11 @@ def test_merge_joins_a_fidelity_only_part_with_a_timing_only_part_of_the_same_po
         assert r["timing"] == {"run": "tim"} and r["ttft_speedup_later"] == 3.0
         assert r["compute_ratio"] == 0.7 and r["params"] == {"knob": label}
     assert rows["h1"]["part"] == 1 and rows["h1"]["ttft_speedup_later"] is None  # not timed
-    assert "a row of part F+T joins" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert "a row of part F+T joins" in table
+    assert f"`{tim}` (fidelity none, timing bf16; test cpu, 1 min, stopped early" in table
+    assert f"`{fid}` (fidelity fp32, timing none; test cpu, 1 min)" in table
+    assert "**Partial" not in table  # the merge itself is whole
     # the same halves in the other order join the same way
     back = tmp_path / "back"
     assert pareto.run(parse("--merge", tim, fid, "--out", str(back))) == 0

@@ -42,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
         common.render(out, results, markdown, plot)
         return 0
     log = common.Progress("pareto")
-    results = pareto(args, log)
+    results = pareto(args, log, on_update=lambda partial: _save_partial(Path(args.out), partial))
     add_frontiers(results)
     return common.finish(args.out, results, log, markdown, plot)
+
+
+def _save_partial(out: Path, results: dict) -> None:
+    """The JSON and table of the points done so far (plots are drawn at the end)."""
+    add_frontiers(results)
+    common.write_results(out, results, markdown(results))

@@ -61,7 +61,7 @@ def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     setup = {**first["setup"], "sizes": sorted(by_size)}
     setup.update({key: _common(parts, key) for key in PER_PART})
     setup["parts"] = [
-        {"part": i, "dir": d, "wall_s": r.get("wall_s"),
+        {"part": i, "dir": d, "wall_s": r.get("wall_s"), "partial": bool(r.get("partial")),
          **{key: r["setup"].get(key) for key in PER_PART},
          "labels": sorted({p["label"] for s in r["sizes"] for p in s["points"]})}
         for i, (d, r) in enumerate(parts, start=1)

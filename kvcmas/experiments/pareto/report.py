@@ -149,6 +149,7 @@ def _parts_lines(parts: list[dict[str, Any]]) -> list[str]:
              "fidelity with part T's timing of the same point:", ""]
     for p in parts:
         wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
+        wall += ", stopped early: the points it finished" if p.get("partial") else ""
         lines.append(f"* part {p['part']}: `{p['dir']}` ({p['dtype']}; {p['machine']}{wall})")
     return lines
 
@@ -171,6 +172,9 @@ def markdown(results: dict[str, Any]) -> str:
         "point). Frontier: not beaten "
         "on both TTFT speedup and first-token KL by another point of the same method.",
     ]
+    if results.get("partial"):
+        lines += ["", "**Partial: the points finished so far** (the run is still going, or "
+                  "stopped early); a point without timing or fidelity shows `-`."]  # fmt: skip
     merged = "parts" in s
     if merged:
         lines += _parts_lines(s["parts"])

@@ -55,10 +55,12 @@ def run_point(
 
 
 def fidelity_pass(
-    reference: LoadedModel, bf16: LoadedModel | None, workflow, points, docs, warmup, log
-) -> dict[str, dict[str, Any]]:
-    """Per point label: fidelity and reuse figures against fp32 NonShared. One observer
-    watches every point, so each distinct hop's dense reference is computed once."""
+    reference: LoadedModel, bf16: LoadedModel | None, workflow, points, docs, warmup, log,
+    on_point: Callable[[dict], None] = lambda _: None,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per point label: fidelity and reuse figures against fp32 NonShared, handed to
+    ``on_point`` after each point. One observer watches every point, so each distinct hop's
+    dense reference is computed once."""
     n_layers = reference.config.n_layers
     observer = FidelityObserver(reference, memo_bytes=MEMO_BYTES)
     out: dict[str, dict[str, Any]] = {}
@@ -79,18 +81,24 @@ def fidelity_pass(
             f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')};"
             f" references computed {observer.memo.misses}, reused {observer.memo.hits}"
         )
+        on_point(out)
     return out
 
 
-def timing_pass(loaded: LoadedModel, workflow, points, docs, warmup, log) -> dict[str, Any]:
-    """Per point label: timing figures and ratios to NonShared (the first point)."""
+def timing_pass(
+    loaded: LoadedModel, workflow, points, docs, warmup, log,
+    on_point: Callable[[dict], None] = lambda _: None,
+) -> dict[str, Any]:  # fmt: skip
+    """Per point label: timing figures and ratios to NonShared (the first point), handed to
+    ``on_point`` after each point."""
     out = {}
     for point in points:
         results, method = run_point(loaded, workflow, point, docs, warmup, None, log)
         out[point.label] = {**run_summary(results), "params": method.params()}
-    add_ratios({label: s for label, s in out.items()}, baseline="nonshared")
-    for label, s in out.items():
-        log(f"  timing {label}: TTFT 2+ x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}")
+        add_ratios(out, baseline="nonshared")
+        s = out[point.label]
+        log(f"  timing {point.label}: TTFT 2+ x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}")
+        on_point(out)
     return out
 
 
@@ -100,7 +108,11 @@ def speedup(summary: dict[str, Any] | None, ratio: str) -> float | None:
     return 1 / r if r else None
 
 
-def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+def pareto(
+    args: argparse.Namespace, log: Log, on_update: Callable[[dict], None] = lambda _: None
+) -> dict[str, Any]:
+    """The run's results; ``on_update`` gets them after every point, marked ``partial``, so a
+    run stopped early leaves the points it finished (a part ``--merge`` can use)."""
     reference = load_model(args.model, "fp32", args.device)
     n_layers = reference.config.n_layers
     points = plan_points(args.methods, n_layers, args.max_points, args.points)
@@ -116,18 +128,7 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     if not args.no_timing:
         same = args.dtype == "bf16" and bf16
         timed = bf16 if same else load_model(args.model, args.dtype, args.device)
-    by_size = []
-    for size, docs in all_docs.items():
-        fid = {}
-        if not args.no_fidelity:
-            log(f"size {size}: fidelity pass (fp32), {len(points)} points")
-            fid = fidelity_pass(reference, bf16, workflow, points, docs, args.warmup, log)
-        tim = {}
-        if timed is not None:
-            log(f"size {size}: timing pass ({args.dtype})")
-            tim = timing_pass(timed, workflow, points, docs, args.warmup, log)
-        by_size.append({"size": size, "points": merge_points(points, fid, tim, floor)})
-    return {
+    results = {
         "setup": common.setup(
             reference,
             f"fidelity {'none' if args.no_fidelity else 'fp32'}, "
@@ -136,8 +137,32 @@ def pareto(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             split=args.split,
         ),
         "capped": {str(k): v for k, v in capped.items()},
-        "sizes": by_size,
+        "sizes": [],
     }
+    for size, docs in all_docs.items():
+
+        def partial(fid: dict, tim: dict, size: int = size) -> None:
+            done = [p for p in points if p.label in fid or p.label in tim]
+            rows = merge_points(done, fid, tim, floor and NOISE_FLOOR in fid)
+            sizes_so_far = [*results["sizes"], {"size": size, "points": rows}]
+            on_update({**results, "sizes": sizes_so_far, "partial": True})
+
+        fid = {}
+        if not args.no_fidelity:
+            log(f"size {size}: fidelity pass (fp32), {len(points)} points")
+            fid = fidelity_pass(
+                reference, bf16, workflow, points, docs, args.warmup, log,
+                on_point=lambda f: partial(f, {}),
+            )  # fmt: skip
+        tim = {}
+        if timed is not None:
+            log(f"size {size}: timing pass ({args.dtype})")
+            tim = timing_pass(
+                timed, workflow, points, docs, args.warmup, log,
+                on_point=lambda t, fid=fid: partial(fid, t),
+            )  # fmt: skip
+        results["sizes"].append({"size": size, "points": merge_points(points, fid, tim, floor)})
+    return results
 
 
 def merge_points(points: list[Point], fid: dict, tim: dict, floor: bool) -> list[dict[str, Any]]:
