@@ -585,7 +585,7 @@ def figures(result) -> list[dict]:
 def test_the_reference_memo_stores_within_its_bytes_and_then_keeps_what_it_has():
     def hop(tokens: int) -> ReferenceHop:  # 8 bytes a token in K, V and rows
         t = torch.zeros(1, 1, tokens, 1, dtype=torch.float16)
-        return ReferenceHop(0, t, t, [], [0], torch.zeros(tokens, 1, dtype=torch.float16))
+        return ReferenceHop(0, t, t, [], torch.zeros(tokens, 1, dtype=torch.float16))
 
     memo = ReferenceMemo(max_bytes=100)
     assert memo.get_or_compute(("a",), lambda: hop(6)).nbytes == 36

@@ -79,8 +79,11 @@ class ReferenceHop:
     k: torch.Tensor  # [L, H, prompt - prefix, Dh]
     v: torch.Tensor
     output: list[int]
-    forced: list[int]
     rows: torch.Tensor  # [len(forced), vocab]
+
+    @property
+    def forced(self) -> list[int]:
+        return self.output or [int(self.rows[0].argmax())]
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +103,7 @@ def reference_hop(
     out = greedy_decode(ref_model, ref, ref_logits, max_new_tokens, stop, feed_last=False)
     forced = out.tokens or [int(ref_logits.argmax())]
     rows = teacher_forced_logits(ref_model, ref, n, ref_logits, forced)
-    return ReferenceHop(prefix_len, k, v, out.tokens, forced, rows)
+    return ReferenceHop(prefix_len, k, v, out.tokens, rows)
 
 
 def hop_fidelity(
