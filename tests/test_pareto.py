@@ -299,6 +299,15 @@ def test_given_points_replace_a_methods_grid():
     assert len([p for p in points if p.method == "cacheblend"]) == 2  # its grid, capped
 
 
+def test_max_points_caps_a_grid_but_never_the_points_given_by_name():
+    args = parse("--methods", "cacheblend,kvcomm", "--max-points", "1", "--point",
+                 "cacheblend:ratio=0.15", "--point", "cacheblend:ratio=0.3")
+    check_args(args)
+    points = plan_points(args.methods, 30, args.max_points, args.points)
+    assert [p.label for p in points] == [
+        "nonshared", "cacheblend(ratio=0.15)", "cacheblend(ratio=0.3)", "kvcomm"]
+
+
 @pytest.mark.parametrize(
     "point, message",
     [("kvcmass:tau=1", "unknown method 'kvcmass'"), ("kvcmas:tau", "expected key=value"),

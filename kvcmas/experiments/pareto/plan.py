@@ -102,19 +102,25 @@ def plan_points(
     given: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> list[Point]:
     """NonShared first (the reference of every ratio), then each method's knob points; a
-    method with ``given`` points (``--point``) runs exactly those instead of its grid."""
+    method with ``given`` points (``--point``) runs exactly those, all of them, instead of its
+    grid (``max_points`` caps a grid, never what was asked for by name)."""
     if not 1 <= max_points <= MAX_POINTS:
         raise UsageError(f"--max-points must be in 1..{MAX_POINTS}")
     order = ["nonshared"] + [m for m in methods if m != "nonshared"]
     order += [m for m, _ in given if m not in order]
     points = []
     for m in order:
-        grid = [o for g, o in given if g == m] or KNOBS[m]
-        if len(grid) > max_points:  # keep the ends and spread the rest evenly
-            step = (len(grid) - 1) / max(1, max_points - 1)
-            grid = [grid[round(i * step)] for i in range(max_points)]
+        grid = [o for g, o in given if g == m] or _capped(KNOBS[m], max_points)
         points += [Point(m, resolve(o, n_layers)) for o in grid]
     return points
+
+
+def _capped(grid: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
+    """At most ``max_points`` of a grid: its ends kept and the rest spread evenly."""
+    if len(grid) <= max_points:
+        return grid
+    step = (len(grid) - 1) / max(1, max_points - 1)
+    return [grid[round(i * step)] for i in range(max_points)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
