@@ -104,6 +104,24 @@ def test_the_table_states_where_kvcmas_is_not_on_or_above():
     assert "on end-to-end speedup and KL: headrecompute on or above." in text
 
 
+def test_reuse_gives_a_verdict_on_points_without_timing():
+    results = _two_point_results()
+    rows = results["sizes"][0]["points"]
+    rows[0]["recompute_later"] = 0.2  # KVCMAS recomputes more than head recompute...
+    untimed = {**_pt("droidspeak", "d1", None, 0.02), "e2e_speedup": None, "rho_later": 1.0,
+               "recompute_later": 0.7, "compute_ratio": None, "continuation_kl": None,
+               "final_agreement": 0.0}  # fmt: skip
+    untimed["ttft_speedup_later"] = untimed.pop("x")
+    rows.append(untimed)  # ...and covers DroidSpeak, which has fidelity only
+    add_frontiers(results)
+    assert [r["reuse_later"] for r in rows] == pytest.approx([0.8, 0.9, 0.3])
+    against = results["sizes"][0]["kvcmas_against"]
+    assert against["reuse_later"] == {"headrecompute": ["h1"], "droidspeak": []}
+    assert "droidspeak" not in against["ttft_speedup_later"]  # no timing: no verdict
+    assert "on reuse (pairs not run), hops 2+ and KL: headrecompute not covered: h1; " \
+        "droidspeak on or above." in markdown(results)
+
+
 def test_a_partial_runs_table_says_so():
     results = _two_point_results()
     add_frontiers(results)
