@@ -214,6 +214,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
     s = results["setup"]
     for size in results["sizes"]:
         rows = size["points"]
+        # One colour per method in every panel, though a panel draws only its placed methods.
+        colour = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
         fig, axes = plt.subplots(1, len(AXES), figsize=(5.6 * len(AXES), 4.6), squeeze=False)
         for ax, (axis, xlabel) in zip(axes[0], AXES, strict=True):
             drawn = False
@@ -222,8 +224,9 @@ def plot(results: dict[str, Any], out: Path) -> None:
                 pts = [(r[axis], max(r[DISTANCE], 1e-8)) for r in mine if r[axis] is not None]
                 line = [next(r for r in mine if r["label"] == lb) for lb in labels]
                 xy = [(r[axis], max(r[DISTANCE], 1e-8)) for r in line]
-                (h,) = ax.plot(*zip(*xy, strict=True), marker="o", label=method)
-                ax.scatter(*zip(*pts, strict=True), color=h.get_color(), alpha=0.35, s=14)
+                c = colour[method]
+                ax.plot(*zip(*xy, strict=True), marker="o", color=c, label=method)
+                ax.scatter(*zip(*pts, strict=True), color=c, alpha=0.35, s=14)
                 drawn = True
             ax.set_xlabel(xlabel if axis == REUSE else f"{xlabel} over NonShared")
             ax.set_ylabel("first-token KL vs fp32 NonShared (hops 2+)")
