@@ -68,6 +68,12 @@ def teacher_forced_logits(
     return torch.cat(rows)
 
 
+def forced_tokens(output: list[int], first_logits: torch.Tensor) -> list[int]:
+    """What a reference is teacher-forced along: its greedy output, or the first token's
+    argmax where the output is empty (a stop token came first)."""
+    return output or [int(first_logits.argmax())]
+
+
 @dataclass(frozen=True)
 class ReferenceHop:
     """A dense reference prefill of one prompt, what a method's hop is compared against: its
@@ -83,7 +89,7 @@ class ReferenceHop:
 
     @property
     def forced(self) -> list[int]:
-        return self.output or [int(self.rows[0].argmax())]
+        return forced_tokens(self.output, self.rows[0])
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +107,7 @@ def reference_hop(
     ref_logits = ref_model.prefill(prompt[prefix_len:], ref)
     k, v = ref.k[:, :, prefix_len:n].clone(), ref.v[:, :, prefix_len:n].clone()
     out = greedy_decode(ref_model, ref, ref_logits, max_new_tokens, stop, feed_last=False)
-    forced = out.tokens or [int(ref_logits.argmax())]
+    forced = forced_tokens(out.tokens, ref_logits)
     rows = teacher_forced_logits(ref_model, ref, n, ref_logits, forced)
     return ReferenceHop(prefix_len, k, v, out.tokens, rows)
 
