@@ -41,6 +41,19 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     return hf.float()
 
 
+def tiny_loaded():
+    """(a LoadedModel of a tiny random Llama with the default model's tokenizer and chat
+    template, its transformers twin): a workflow runs on it in milliseconds per hop."""
+    from transformers import AutoTokenizer
+
+    from kvcmas.model.loader import LoadedModel, resolve
+
+    _, folder = resolve("default")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hf = tiny_hf_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
+    return LoadedModel("tiny", ours_from_hf(hf), tokenizer, folder), hf
+
+
 TEST_DEVICE = os.environ.get("KVCMAS_TEST_DEVICE", "cpu")
 
 

@@ -22,7 +22,7 @@ from kvcmas.methods.anchors import PoolConfig
 from kvcmas.methods.kvcmas import DEFAULT_TAU, DEFAULT_TEMPERATURE, KVCMASConfig
 from kvcmas.model.loader import LoadedModel
 from kvcmas.workflow.builtin import roster
-from tests.conftest import ours_from_hf, tiny_hf_model
+from tests.conftest import tiny_loaded
 
 PNG = b"\x89PNG\r\n\x1a\n"
 REQUESTS = [{"id": f"q{i}", "query": f"What is {i} plus {i + 3}? Give a number."} for i in range(4)]
@@ -31,15 +31,8 @@ REQUESTS = [{"id": f"q{i}", "query": f"What is {i} plus {i + 3}? Give a number."
 @pytest.fixture(scope="module")
 def tiny() -> tuple[LoadedModel, object]:
     """A tiny random Llama with the default model's tokenizer (and chat template)."""
-    from transformers import AutoTokenizer
-
-    from kvcmas.model.loader import resolve
-
     torch.set_num_threads(1)  # a loaded 2-core machine: one thread is the fast setting
-    _, folder = resolve("default")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    hf = tiny_hf_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
-    return LoadedModel("tiny", ours_from_hf(hf), tokenizer, folder), hf
+    return tiny_loaded()
 
 
 @pytest.fixture(scope="module")

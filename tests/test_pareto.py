@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -126,7 +127,7 @@ def test_a_partial_runs_table_says_so():
     results = _two_point_results()
     add_frontiers(results)
     assert "Partial" not in markdown(results)
-    assert "**Partial: the points finished so far**" in markdown({**results, "partial": True})
+    assert "**Partial: what is finished so far**" in markdown({**results, "partial": True})
 
 
 def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
@@ -206,12 +207,12 @@ def test_merge_refuses_other_documents_a_point_twice_and_a_serving_run(tmp_path)
 def _halves(
     tmp_path, name: str, which: str, points: list[tuple[str, str]], partial: bool = False
 ) -> str:
-    """A pareto part at one size that ran only its ``which`` pass ('fidelity' or 'timing') of
-    NonShared, the noise floor and the given (method, label) points; ``partial``: a run
-    stopped early (what it saved after its last finished point)."""
+    """A pareto part at one size that ran only its ``which`` pass ('fidelity' or 'timing', or
+    'both') of NonShared, the noise floor and the given (method, label) points; ``partial``: a
+    run stopped early (what it saved after its last finished point)."""
     rows = []
+    fid, tim = which in ("fidelity", "both"), which in ("timing", "both")
     for method, label in [("nonshared", "nonshared"), (NOISE_FLOOR, NOISE_FLOOR), *points]:
-        fid, tim = which == "fidelity", which == "timing"
         rows.append({
             "label": label, "method": method, "params": {"knob": label},
             "first_token_kl": 0.01 if fid else None, "continuation_kl": 0.02 if fid else None,
@@ -222,7 +223,7 @@ def _halves(
         })  # fmt: skip
     results = _two_point_results()
     results["sizes"][0]["points"] = rows
-    dtype = "fidelity fp32, timing none" if fid else "fidelity none, timing bf16"
+    dtype = f"fidelity {'fp32' if fid else 'none'}, timing {'bf16' if tim else 'none'}"
     results["setup"]["dtype"] = dtype
     results["wall_s"] = 60.0
     if partial:
@@ -262,6 +263,44 @@ def test_merge_joins_a_fidelity_only_part_with_a_timing_only_part_of_the_same_po
     again = _halves(tmp_path, "again", "fidelity", [("kvcmas", "k1")])
     with pytest.raises(UsageError, match="k1 at N=64 is in both"):
         pareto.run(parse("--merge", fid, again, "--out", str(tmp_path / "m")))
+
+
+def test_timing_from_retimes_every_point_with_one_parts_timing(tmp_path):
+    from kvcmas.experiments import pareto
+
+    # part 1 measured both passes (on another host), part 2 only fidelity; part 3 re-timed
+    # every point on this host, in fp32
+    both = _halves(tmp_path, "both", "both", [("kvcmas", "k1")])
+    fid = _halves(tmp_path, "fid", "fidelity", [("kvcomm", "v1"), ("droidspeak", "d1")])
+    tim = _halves(tmp_path, "tim", "timing", [("kvcmas", "k1"), ("kvcomm", "v1")])
+    results = json.loads(Path(tim, "results.json").read_text())
+    results["setup"].update(
+        machine="avx2 cpu", dtype="fidelity none, timing fp32", timing_order="interleaved"
+    )
+    for row in results["sizes"][0]["points"]:
+        row.update(ttft_speedup_later=2.0, timing={"run": "tim"})
+    Path(tim, "results.json").write_text(json.dumps(results))
+    out = tmp_path / "retimed"
+    assert pareto.run(parse("--merge", both, fid, "--timing-from", tim, "--out", str(out))) == 0
+    rows = _merged_rows(out)
+    assert {lb: r["part"] for lb, r in rows.items()} == {
+        "nonshared": "1+3", NOISE_FLOOR: "1+3", "k1": "1+3", "v1": "2+3", "d1": 2
+    }
+    for label in ("nonshared", "k1", "v1"):  # fidelity from its part, timing from part 3
+        assert rows[label]["timing"] == {"run": "tim"} and rows[label]["ttft_speedup_later"] == 2
+    assert rows["k1"]["fidelity"] == {"run": "both"}
+    assert rows["d1"]["ttft_speedup_later"] is None and rows["d1"]["timing"] is None
+    setup = json.loads((out / "results.json").read_text())["setup"]
+    assert (setup["machine"], setup["dtype"]) == ("avx2 cpu", "fidelity fp32, timing fp32")
+    assert setup["timing_order"] == "interleaved"  # the timing part's, not part 1's (none)
+    assert "every timing is part 3's" in (out / "table.md").read_text()
+    # without --timing-from, part 1's own timing of k1 and part 3's are the same point twice
+    with pytest.raises(UsageError, match="k1 at N=64 is in both"):
+        pareto.run(parse("--merge", both, tim, "--out", str(tmp_path / "m1")))
+    with pytest.raises(UsageError, match="not a timing-only run"):
+        pareto.run(parse("--merge", fid, "--timing-from", both, "--out", str(tmp_path / "m2")))
+    with pytest.raises(UsageError, match="--timing-from re-times a --merge"):
+        pareto.run(parse("--timing-from", tim, "--out", str(tmp_path / "m3")))
 
 
 def _merged_rows(out) -> dict:
@@ -363,3 +402,46 @@ def test_check_args_accepts_the_defaults_and_unknown_methods_fail_in_parsing():
     assert args.dtype == "bf16" and args.warmup == 4 and args.measure == 8
     with pytest.raises(SystemExit):
         parse("--methods", "nosuch")
+
+
+def test_the_timing_pass_interleaves_points_each_with_the_request_sequence_it_has_alone(
+    monkeypatch,
+):
+    from kvcmas.experiments.context_sweep.plan import trace_workflow
+    from kvcmas.experiments.pareto import runs
+    from kvcmas.workflow.runner import Runner
+    from tests.conftest import tiny_loaded
+
+    loaded, _ = tiny_loaded()
+    workflow = trace_workflow(3, 4)
+    docs = [f"Report {i}. " + "Sales rose in the north and fell in the south. " * 4
+            for i in range(4)]  # fmt: skip
+    points = [Point("nonshared"), Point("kvcmas", {"tau": 1.0, "repair_head": 4}),
+              Point("headrecompute", {"head_tokens": 4})]  # fmt: skip
+    alone = {p.label: runs.run_point(loaded, workflow, p, docs, 2, None, lambda _: None)[0]
+             for p in points}  # fmt: skip
+    order, seen = [], {}
+    run = Runner.run
+
+    def recording(self, request):
+        result = run(self, request)
+        order.append((result.method, request["id"]))
+        seen.setdefault(result.method, []).append(result)
+        return result
+
+    monkeypatch.setattr(Runner, "run", recording)
+    out = runs.timing_pass(loaded, workflow, points, docs, 2, lambda _: None)
+    names = [alone[p.label][0].method for p in points]
+    # the stateful method's warm-ups first, then request i of every point before i + 1
+    warm = [(names[1], "doc0"), (names[1], "doc1")]
+    assert order == warm + [(n, d) for d in ("doc2", "doc3") for n in names]
+    for p, name in zip(points, names, strict=True):
+        measured = seen[name][-2:]
+        assert [[h.output_ids for h in r.hops] for r in measured] == [
+            [h.output_ids for h in r.hops] for r in alone[p.label]
+        ]
+        assert [[h.reuse for h in r.hops] for r in measured] == [
+            [h.reuse for h in r.hops] for r in alone[p.label]
+        ]
+        assert out[p.label]["requests"] == 2
+    assert out["nonshared"]["ttft_later_ratio"] == 1.0

@@ -31,7 +31,8 @@ HELP = "each method over its knob: TTFT and end-to-end speedup against KL and an
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.merge:
-        results = merge_runs(read_parts(args.merge))
+        timing = read_parts([args.timing_from])[0] if args.timing_from else None
+        results = merge_runs(read_parts(args.merge), timing)
         add_frontiers(results)
         common.render(Path(args.out), results, markdown, plot)
         return 0

@@ -11,6 +11,10 @@ in two parts is an error, not an overwrite, unless one part measured only its fi
 (``--no-timing``) and the other only its timing (``--no-fidelity``): the two halves are joined
 into one row, named ``F+T`` after its fidelity part and its timing part. That lets the long
 fp32 fidelity pass run on any host and the short timing pass where the timing dtype is fast.
+
+``--timing-from DIR`` re-times every point on one machine: DIR is a ``--no-fidelity`` part of
+the points, the other parts give only their fidelity (their own timings are dropped), so every
+speedup of the report is a ratio measured on one host in one dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ SAME_WORKLOAD = (
 )  # fmt: skip
 # Kept per part: where and in what dtype it was timed (fidelity is always fp32; a part run
 # with --no-timing adds fidelity rows only).
-PER_PART = ("machine", "dtype")
+PER_PART = ("machine", "dtype", "timing_order")
 
 
 def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -34,8 +38,13 @@ def read_parts(dirs: list[str]) -> list[tuple[str, dict[str, Any]]]:
     return common.read_parts(dirs, {"setup", "sizes"}, "kvcmas bench pareto", frozenset({"cells"}))
 
 
-def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The merged results, shaped as one run's, each row with its ``part`` (1-based)."""
+def merge_runs(
+    parts: list[tuple[str, dict[str, Any]]], timing: tuple[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The merged results, shaped as one run's, each row with its ``part`` (1-based);
+    ``timing``: a timing-only part that gives every point's timing (it is the last part)."""
+    if timing is not None:
+        parts = [*(_fidelity_only(d, r) for d, r in parts), _timing_only(*timing)]
     common.check_same_setup(parts, SAME_WORKLOAD)
     first = parts[0][1]
     by_size: dict[int, list[dict[str, Any]]] = {}
@@ -59,13 +68,20 @@ def merge_runs(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                 seen[key] = (d, len(rows))
                 rows.append({**row, "part": i})
     setup = {**first["setup"], "sizes": sorted(by_size)}
-    setup.update({key: _common(parts, key) for key in PER_PART})
+    setup.update({key: v for key in PER_PART if (v := _common(parts, key)) is not None})
     setup["parts"] = [
         {"part": i, "dir": d, "wall_s": r.get("wall_s"), "partial": bool(r.get("partial")),
          **{key: r["setup"].get(key) for key in PER_PART},
          "labels": sorted({p["label"] for s in r["sizes"] for p in s["points"]})}
         for i, (d, r) in enumerate(parts, start=1)
     ]  # fmt: skip
+    if timing is not None:  # one timing for all: the report names its machine and dtype
+        t = timing[1]["setup"]
+        setup.update(machine=t["machine"], dtype=f"fidelity fp32, {_timing_dtype(t)}",
+                     timing_part=len(parts))  # fmt: skip
+        setup.pop("timing_order", None)  # the order of the timing used, none other
+        if "timing_order" in t:
+            setup["timing_order"] = t["timing_order"]
     wall = [r.get("wall_s") for _, r in parts]
     return {
         "setup": setup,
@@ -101,6 +117,28 @@ def _only_pass(row: dict[str, Any]) -> str | None:
     if row.get("fidelity") is None and row.get("timing") is not None:
         return "timing"
     return None
+
+
+def _fidelity_only(d: str, results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A part with its timing figures dropped, and its rows with no fidelity left out."""
+    sizes = [
+        {**size, "points": [{**row, **dict.fromkeys(TIMING_FIELDS)}
+                            for row in size["points"] if row.get("fidelity") is not None]}
+        for size in results["sizes"]
+    ]  # fmt: skip
+    return d, {**results, "sizes": sizes}
+
+
+def _timing_only(d: str, results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The ``--timing-from`` part, checked to be a ``--no-fidelity`` run."""
+    if any(row.get("fidelity") is not None for s in results["sizes"] for row in s["points"]):
+        raise UsageError(f"--timing-from {d}: not a timing-only run (run it with --no-fidelity)")
+    return d, results
+
+
+def _timing_dtype(setup: dict[str, Any]) -> str:
+    """'timing bf16' from a run's dtype field ('fidelity none, timing bf16')."""
+    return setup["dtype"].rsplit(", ", 1)[-1]
 
 
 def _common(parts: list[tuple[str, dict[str, Any]]], key: str) -> Any:

@@ -159,6 +159,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run nothing: merge these runs' results.json (parts on the same documents) into "
         "--out, one frontier plot per size over every part's methods",
     )  # fmt: skip
+    p.add_argument(
+        "--timing-from", metavar="DIR",
+        help="with --merge: every point's timing from this --no-fidelity run (one machine and "
+        "dtype for all); the merged parts give only their fidelity",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     add_model_args(p)
     p.set_defaults(dtype="bf16")  # the timing pass; fidelity is always fp32
@@ -170,6 +175,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("need --warmup >= 0, --measure >= 1 and --output-tokens >= 1")
     if not args.sizes or any(s < 1 for s in args.sizes):
         raise UsageError("--sizes must be positive token counts")
+    if args.timing_from and not args.merge:
+        raise UsageError("--timing-from re-times a --merge: give the parts with --merge")
     if args.no_timing and args.no_fidelity:
         raise UsageError("--no-timing and --no-fidelity together leave nothing to run")
     if not 2 <= args.agents <= len(ROLES):

@@ -154,12 +154,16 @@ def _row(r: dict[str, Any], on: set[str], merged: bool) -> str:
     )
 
 
-def _parts_lines(parts: list[dict[str, Any]]) -> list[str]:
+def _parts_lines(setup: dict[str, Any]) -> list[str]:
     """A merged report's parts: where each came from. Speedups are ratios to a part's own
     NonShared; fidelity figures compare across parts (same documents, deterministic)."""
     lines = ["", "Parts merged into this report (`kvcmas bench pareto --merge`); a speedup is "
              "a ratio to its own part's NonShared timing; a row of part F+T joins part F's "
              "fidelity with part T's timing of the same point:", ""]
+    if "timing_part" in setup:
+        lines[1] += (f" every timing is part {setup['timing_part']}'s (`--timing-from`, one "
+                     "machine and dtype); the other parts' own timings are not used.")
+    parts = setup["parts"]
     for p in parts:
         wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
         wall += ", stopped early: the points it finished" if p.get("partial") else ""
@@ -189,11 +193,12 @@ def markdown(results: dict[str, Any]) -> str:
         "probe): only the speedups weigh those.",
     ]
     if results.get("partial"):
-        lines += ["", "**Partial: the points finished so far** (the run is still going, or "
-                  "stopped early); a point without timing or fidelity shows `-`."]  # fmt: skip
+        lines += ["", "**Partial: what is finished so far** (the run is still going, or "
+                  "stopped early): the fidelity pass's finished points, the timing pass's "
+                  "finished rounds of every point; a figure not measured shows `-`."]  # fmt: skip
     merged = "parts" in s
     if merged:
-        lines += _parts_lines(s["parts"])
+        lines += _parts_lines(s)
     header = COLUMNS + (" part |" if merged else "")
     for size in results["sizes"]:
         on = {lb for labels in size["frontiers"][AXES[0][0]].values() for lb in labels}

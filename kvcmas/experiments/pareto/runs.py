@@ -4,12 +4,14 @@ the same documents (warm-ups first for methods that keep state).
 Fidelity: every hop against a dense fp32 NonShared prefill of its own prompt
 (:class:`~kvcmas.eval.fidelity.FidelityObserver`), and final answers against the fp32
 NonShared run. Timing: the same points without an observer in ``--dtype`` (bf16 by default),
-ratios to NonShared at the same size. Figures come from :mod:`kvcmas.eval.summary`.
+their measured requests interleaved (round by round), ratios to NonShared at the same size.
+Figures come from :mod:`kvcmas.eval.summary`.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,24 @@ from kvcmas.workflow.spec import Workflow
 Log = Callable[[str], None]
 
 
+def point_runner(
+    loaded: LoadedModel, workflow: Workflow, point: Point, observer: FidelityObserver | None
+) -> tuple[Runner, Any]:
+    """A runner of ``point``'s method, measured by ``observer`` if given. Every agent output
+    has exactly its budget (end-of-turn ignored)."""
+    method = make_method(point.method, point.options)
+    runner = Runner(loaded, workflow, method, observer=observer)
+    runner.stop = set()  # as common.trace_runner(ignore_eos=True)
+    return runner, method
+
+
+def point_requests(method, docs: list[str], warmup: int) -> tuple[list[dict], int]:
+    """The requests a point runs (its warm-ups first, only if its method keeps state) and the
+    number of warm-ups among them."""
+    n_warm = warmup if keeps_state(method) else 0
+    return [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :], n_warm
+
+
 def run_point(
     loaded: LoadedModel,
     workflow: Workflow,
@@ -44,13 +64,9 @@ def run_point(
     observer: FidelityObserver | None,
     log: Log,
 ) -> tuple[list[RequestResult], Any]:
-    """One point over the measured documents (after its warm-ups), measured by ``observer``
-    if given. Every agent output has exactly its budget (end-of-turn ignored)."""
-    method = make_method(point.method, point.options)
-    runner = Runner(loaded, workflow, method, observer=observer)
-    runner.stop = set()  # as common.trace_runner(ignore_eos=True)
-    n_warm = warmup if keeps_state(method) else 0
-    requests = [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :]
+    """One point over the measured documents (after its warm-ups)."""
+    runner, method = point_runner(loaded, workflow, point, observer)
+    requests, n_warm = point_requests(method, docs, warmup)
     return common.run_stream(runner, requests, log, point.label)[n_warm:], method
 
 
@@ -87,18 +103,37 @@ def fidelity_pass(
 
 def timing_pass(
     loaded: LoadedModel, workflow, points, docs, warmup, log,
-    on_point: Callable[[dict], None] = lambda _: None,
+    on_round: Callable[[dict], None] = lambda _: None,
 ) -> dict[str, Any]:  # fmt: skip
     """Per point label: timing figures and ratios to NonShared (the first point), handed to
-    ``on_point`` after each point."""
-    out = {}
+    ``on_round`` after each round.
+
+    Rounds interleave the points: every point's warm-ups run first, then measured request i
+    of every point before request i + 1 of any, so a drift in the host's speed during the
+    pass (a shared VM's neighbours) falls on every point alike, not on the points run last.
+    Each point keeps its own runner and method state, so it sees the same request sequence
+    as when run alone."""
+    runs = []
     for point in points:
-        results, method = run_point(loaded, workflow, point, docs, warmup, None, log)
-        out[point.label] = {**run_summary(results), "params": method.params()}
+        runner, method = point_runner(loaded, workflow, point, None)
+        requests, n_warm = point_requests(method, docs, warmup)
+        if n_warm:
+            common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
+        runs.append((point, runner, method, requests[n_warm:], []))
+    out: dict[str, Any] = {}
+    start = time.perf_counter()
+    n_rounds = len(docs) - warmup
+    for i in range(n_rounds):
+        for _, runner, _, requests, results in runs:
+            results.append(runner.run(requests[i]))
+        out = {p.label: {**run_summary(res), "params": m.params()} for p, _, m, _, res in runs}
         add_ratios(out, baseline="nonshared")
-        s = out[point.label]
-        log(f"  timing {point.label}: TTFT 2+ x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}")
-        on_point(out)
+        log(
+            f"timing round {i + 1}/{n_rounds} ({time.perf_counter() - start:.0f}s): TTFT 2+ "
+            + ", ".join(f"{lb} x{fmt(speedup(s, 'ttft_later_ratio'), '.2f')}"
+                        for lb, s in out.items())
+        )  # fmt: skip
+        on_round(out)
     return out
 
 
@@ -111,8 +146,9 @@ def speedup(summary: dict[str, Any] | None, ratio: str) -> float | None:
 def pareto(
     args: argparse.Namespace, log: Log, on_update: Callable[[dict], None] = lambda _: None
 ) -> dict[str, Any]:
-    """The run's results; ``on_update`` gets them after every point, marked ``partial``, so a
-    run stopped early leaves the points it finished (a part ``--merge`` can use)."""
+    """The run's results; ``on_update`` gets them after every fidelity point and timing
+    round, marked ``partial``, so a run stopped early leaves what it finished (a part
+    ``--merge`` can use)."""
     reference = load_model(args.model, "fp32", args.device)
     n_layers = reference.config.n_layers
     points = plan_points(args.methods, n_layers, args.max_points, args.points)
@@ -135,6 +171,8 @@ def pareto(
             f"timing {'none' if args.no_timing else args.dtype}",
             **trace_fields(args, sizes),
             split=args.split,
+            # runs before the interleaved timing pass lack this field: theirs was sequential
+            **({} if args.no_timing else {"timing_order": "interleaved"}),
         ),
         "capped": {str(k): v for k, v in capped.items()},
         "sizes": [],
@@ -159,7 +197,7 @@ def pareto(
             log(f"size {size}: timing pass ({args.dtype})")
             tim = timing_pass(
                 timed, workflow, points, docs, args.warmup, log,
-                on_point=lambda t, fid=fid: partial(fid, t),
+                on_round=lambda t, fid=fid: partial(fid, t),
             )  # fmt: skip
         results["sizes"].append({"size": size, "points": merge_points(points, fid, tim, floor)})
     return results
