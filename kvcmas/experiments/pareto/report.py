@@ -157,16 +157,16 @@ def _row(r: dict[str, Any], on: set[str], merged: bool) -> str:
 def _parts_lines(setup: dict[str, Any]) -> list[str]:
     """A merged report's parts: where each came from. Speedups are ratios to a part's own
     NonShared; fidelity figures compare across parts (same documents, deterministic)."""
+    retimed = (
+        f"; every timing is part {setup['timing_part']}'s (`--timing-from`: one machine and "
+        "dtype), the other parts' own timings are not used" if "timing_part" in setup else ""
+    )
     lines = ["", "Parts merged into this report (`kvcmas bench pareto --merge`); a speedup is "
              "a ratio to its own part's NonShared timing; a row of part F+T joins part F's "
-             "fidelity with part T's timing of the same point:", ""]
-    if "timing_part" in setup:
-        lines[1] += (f" every timing is part {setup['timing_part']}'s (`--timing-from`, one "
-                     "machine and dtype); the other parts' own timings are not used.")
-    parts = setup["parts"]
-    for p in parts:
+             f"fidelity with part T's timing of the same point{retimed}:", ""]
+    for p in setup["parts"]:
         wall = f", {p['wall_s'] / 60:.0f} min" if p.get("wall_s") else ""
-        wall += ", stopped early: the points it finished" if p.get("partial") else ""
+        wall += ", stopped early: what it finished" if p.get("partial") else ""
         lines.append(f"* part {p['part']}: `{p['dir']}` ({p['dtype']}; {p['machine']}{wall})")
     return lines
 
