@@ -34,6 +34,13 @@ def keeps_state(method: Method) -> bool:
     return method.learns_across_requests
 
 
+def point_requests(method: Method, docs: list[str], warmup: int) -> tuple[list[dict], int]:
+    """The requests a method runs on the trace (the warm-up documents first, only if it keeps
+    state) and the number of warm-ups among them."""
+    n_warm = warmup if keeps_state(method) else 0
+    return [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :], n_warm
+
+
 def run_one(
     loaded: LoadedModel,
     workflow: Workflow,
@@ -46,8 +53,7 @@ def run_one(
     """One method on the trace: warm-ups (when it keeps state), then the measured requests."""
     method = make_method(name, options, strict=False)
     runner = common.trace_runner(loaded, workflow, method, ignore_eos=True)
-    n_warm = warmup if keeps_state(method) else 0
-    requests = [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :]
+    requests, n_warm = point_requests(method, docs, warmup)
     results = common.run_stream(runner, requests, log, name)[n_warm:]
     return {
         "method": name,

@@ -21,13 +21,12 @@ from kvcmas.experiments import common
 from kvcmas.experiments.compare import fmt
 from kvcmas.experiments.context_sweep.documents import documents, source_texts
 from kvcmas.experiments.context_sweep.plan import (
-    DOC_SLOT,
     cap_sizes,
     overhead_tokens,
     trace_fields,
     trace_workflow,
 )
-from kvcmas.experiments.context_sweep.runs import keeps_state
+from kvcmas.experiments.context_sweep.runs import point_requests
 from kvcmas.experiments.pareto.plan import NOISE_FLOOR, Point, plan_points
 from kvcmas.methods import make_method
 from kvcmas.model.loader import LoadedModel, load_model
@@ -46,13 +45,6 @@ def point_runner(
     runner = Runner(loaded, workflow, method, observer=observer)
     runner.stop = set()  # as common.trace_runner(ignore_eos=True)
     return runner, method
-
-
-def point_requests(method, docs: list[str], warmup: int) -> tuple[list[dict], int]:
-    """The requests a point runs (its warm-ups first, only if its method keeps state) and the
-    number of warm-ups among them."""
-    n_warm = warmup if keeps_state(method) else 0
-    return [{"id": f"doc{i}", DOC_SLOT: d} for i, d in enumerate(docs)][warmup - n_warm :], n_warm
 
 
 def run_point(
