@@ -107,6 +107,42 @@ def test_bf16_forward_runs_close_to_fp32(tiny_pair):
     assert b.dtype == torch.float32 and (a - b).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied head; q/k/v bias
+def test_bf16_with_fp32_gemms_keeps_bf16s_numbers(arch):
+    from kvcmas.model.transformer import Transformer
+
+    hf = tiny_hf_model(arch)
+    config, state = ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict()
+    fp32, bf16 = ours_from_hf(hf), ours_from_hf(hf, torch.bfloat16)
+    wide = Transformer.from_state_dict(config, state, torch.bfloat16, gemm_dtype=torch.float32)
+    assert (wide.dtype, wide.gemm_dtype, bf16.gemm_dtype) == (
+        torch.bfloat16, torch.float32, torch.bfloat16
+    )
+    layer = wide.layers[0]
+    for w in (layer.wqkv, layer.wo, layer.w_gate, layer.w_up, layer.w_down, wide.lm_head):
+        assert w.dtype == torch.float32 and torch.equal(w, w.bfloat16().float())  # bf16 values
+    ids = torch.randint(0, 128, (40,))
+    ref, _ = full_logits(fp32, ids)
+    native, native_cache = full_logits(bf16, ids)
+    got, cache = full_logits(wide, ids)
+    assert cache.k.dtype == torch.bfloat16
+    # Only the summation order differs from native bf16 GEMMs: far closer to them than
+    # bf16 is to fp32, and as far from fp32 as bf16 is.
+    bf16_error = (native - ref).abs().mean()
+    assert (got - native).abs().mean() < 0.1 * bf16_error
+    assert (got - ref).abs().mean() > 0.5 * bf16_error
+    assert (cache.k.float() - native_cache.k.float()).abs().mean() < 0.1 * (
+        native_cache.k.float() - full_logits(fp32, ids)[1].k
+    ).abs().mean()
+
+
+def test_a_gemm_dtype_narrower_than_the_model_is_refused():
+    from kvcmas.model.loader import load_model
+
+    with pytest.raises(ValueError, match="narrower"):
+        load_model("default", "fp32", gemm_dtype="bf16")
+
+
 @pytest.mark.device
 def test_greedy_decode_matches_transformers_generate(tiny_pair):
     hf, ours = tiny_pair

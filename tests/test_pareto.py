@@ -445,3 +445,36 @@ def test_the_timing_pass_interleaves_points_each_with_the_request_sequence_it_ha
         ]
         assert out[p.label]["requests"] == 2
     assert out["nonshared"]["ttft_later_ratio"] == 1.0
+
+
+def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
+    import torch
+
+    from kvcmas.experiments.context_sweep.plan import trace_workflow
+    from kvcmas.experiments.pareto import runs
+    from kvcmas.model.config import ModelConfig
+    from kvcmas.model.loader import LoadedModel
+    from kvcmas.model.transformer import Transformer
+    from tests.conftest import tiny_loaded
+
+    loaded, hf = tiny_loaded()
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    wide = Transformer.from_state_dict(
+        config, hf.state_dict(), torch.bfloat16, gemm_dtype=torch.float32
+    )
+    floor = LoadedModel("tiny", wide, loaded.tokenizer, loaded.folder)
+    docs = ["Sales rose in the north and fell in the south. " * 3]
+    fid = runs.fidelity_pass(
+        loaded, floor, trace_workflow(2, 3), [Point("nonshared")], docs, 0, lambda _: None
+    )
+    assert fid[NOISE_FLOOR]["gemm_dtype"] == "fp32" and "gemm_dtype" not in fid["nonshared"]
+    assert fid[NOISE_FLOOR]["first_token_kl_later_mean"] > 0  # bf16's numbers, not fp32's
+    results = _two_point_results()
+    rows = runs.merge_points([Point("nonshared")], fid, {}, True)
+    plain = {**fid[NOISE_FLOOR]}
+    del plain["gemm_dtype"]
+    for floor_fidelity, stated in ((fid[NOISE_FLOOR], True), (plain, False)):
+        rows[1]["fidelity"] = floor_fidelity
+        results["sizes"][0]["points"] = rows
+        add_frontiers(results)
+        assert ("matrix products run in fp32 over bf16" in markdown(results)) is stated

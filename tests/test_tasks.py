@@ -305,6 +305,22 @@ def test_plan_from_args_checks_before_any_model_loads():
         acc_plan.plan_from_args(args)  # no planned method takes tau
 
 
+def test_the_noise_floors_fp32_gemms_are_planned_and_stated():
+    from kvcmas.cli import build_parser
+
+    parser = build_parser()
+    argv = ["bench", "accuracy", "--out", "x"]
+    assert acc_plan.plan_from_args(parser.parse_args(argv)).floor_gemm == "bf16"
+    plan = acc_plan.plan_from_args(parser.parse_args([*argv, "--floor-gemm", "fp32"]))
+    assert plan.floor_gemm == "fp32"
+    results = synthetic_results()
+    assert "fp32 over bf16" not in acc_report.markdown_table(results)
+    results["summary"]["nonshared-bf16"]["mmlu"]["gemm_dtype"] = "fp32"  # as run_one records
+    assert "NonShared in bf16 (matrix products in fp32 over bf16 weights" in (
+        acc_report.markdown_table(results)
+    )
+
+
 def _part(labels_tasks: dict[str, dict[str, list[str]]]) -> dict:
     """A split-run part: per label and task, the extracted answers of items i0, i1, ..."""
     base = synthetic_results()

@@ -54,6 +54,11 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``fp32`` or ``bf16``: the name :func:`parse_dtype` reads."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
 def parse_device(name: str | torch.device) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a torch device this machine can run on."""
     try:
@@ -223,12 +228,18 @@ def load_model(
     spec: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
+    gemm_dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load weights into our :class:`Transformer` on ``device`` and the tokenizer with its
-    chat template."""
+    chat template. ``gemm_dtype``: run the matrix products wider than ``dtype`` with the same
+    numbers (see :meth:`Transformer.from_state_dict`); default ``dtype``."""
     from transformers import AutoTokenizer
 
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if isinstance(gemm_dtype, str):
+        gemm_dtype = parse_dtype(gemm_dtype)
+    if gemm_dtype is not None and gemm_dtype.itemsize < torch_dtype.itemsize:
+        raise ValueError(f"GEMM dtype {gemm_dtype} is narrower than the model's {torch_dtype}")
     torch_device = parse_device(device)  # refused before any file is read or converted
     name, folder = resolve(spec)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -239,7 +250,7 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    model = Transformer.from_state_dict(config, state, torch_dtype, torch_device)
+    model = Transformer.from_state_dict(config, state, torch_dtype, torch_device, gemm_dtype)
     del state
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -14,7 +14,12 @@ from typing import Any
 
 from kvcmas.errors import ConfigError, UsageError
 from kvcmas.eval.tasks import TASKS
-from kvcmas.experiments.args import add_method_args, add_model_args, method_options
+from kvcmas.experiments.args import (
+    add_floor_gemm_arg,
+    add_method_args,
+    add_model_args,
+    method_options,
+)
 from kvcmas.experiments.common import choice_list
 from kvcmas.experiments.compare import NOISE_FLOOR
 from kvcmas.methods import METHODS, check_options_used, make_method
@@ -43,6 +48,7 @@ class Plan:
     options: dict[str, Any]  # method options from flags / --method-config
     fidelity: bool
     budgets: tuple[int | None, int | None]  # (task agents, decision agent) caps
+    floor_gemm: str = "bf16"  # the noise floor's matrix products (--floor-gemm)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fidelity", action="store_true", help="also measure every hop against NonShared fp32"
     )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 row")
+    add_floor_gemm_arg(p)
     p.add_argument("--task-tokens", type=int, help="cap the task agents' budget (quick runs)")
     p.add_argument("--final-tokens", type=int, help="cap the decision agent's budget")
     add_model_args(p)
@@ -131,4 +138,5 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         options=options,
         fidelity=args.fidelity,
         budgets=(args.task_tokens, args.final_tokens),
+        floor_gemm=args.floor_gemm,
     )

@@ -32,13 +32,26 @@ def _interval(successes: int, n: int) -> str:
     return "" if found is None else f"{found[0]:.2f}-{found[1]:.2f}"
 
 
+def _floor_gemm_text(report: dict[str, Any]) -> str:
+    """How the noise floor multiplied, where not natively in bf16 (``--floor-gemm fp32``)."""
+    floor = report["summary"].get(report["setup"]["noise_floor"], {})
+    wide = {s.get("gemm_dtype") for s in floor.values()} - {None}
+    if not wide:
+        return ""
+    return (
+        f" (matrix products in {'/'.join(sorted(wide))} over bf16 weights and inputs, "
+        "rounded to bf16: `--floor-gemm`, bf16's numbers up to summation order)"
+    )
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """Method rows x benchmark columns (accuracy and agreement), then reuse and cost."""
     s = report["setup"]
     tasks = list(s["sizes"])
     sizes = ", ".join(f"{n} {_title(t)}" for t, n in s["sizes"].items())
     noise = (
-        f"`{s['noise_floor']}` is NonShared in bf16 against NonShared fp32: the noise floor."
+        f"`{s['noise_floor']}` is NonShared in bf16{_floor_gemm_text(report)} against "
+        "NonShared fp32: the noise floor."
         if s["noise_floor"]
         else ""
     )

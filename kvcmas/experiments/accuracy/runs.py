@@ -22,7 +22,7 @@ from kvcmas.experiments.accuracy.plan import Plan
 from kvcmas.experiments.compare import NOISE_FLOOR, run_method, summarize
 from kvcmas.experiments.machine import machine_description
 from kvcmas.methods import make_method
-from kvcmas.model.loader import LoadedModel, load_model
+from kvcmas.model.loader import LoadedModel, dtype_name, load_model
 from kvcmas.workflow.records import RequestResult, peak_rss_bytes
 from kvcmas.workflow.spec import Workflow
 
@@ -148,6 +148,8 @@ def run_one(
         "peak_rss_bytes": current_peak_rss_bytes(),  # since this run began, where possible
         "peak_rss_since_reset": measured_rss,
     }
+    if loaded.model.gemm_dtype != loaded.model.dtype:
+        summary["gemm_dtype"] = dtype_name(loaded.model.gemm_dtype)
     return records, summary
 
 
@@ -171,8 +173,9 @@ def accuracy_experiment(
     workflows = {t: task_spec(t).workflow(*plan.budgets) for t in plan.benchmarks}
     report = new_report(plan, models[plan.dtype].name, tasks, workflows)
     for run in plan.runs:
-        if run.dtype not in models:
-            models[run.dtype] = load_model(plan.model, run.dtype, device)
+        if run.dtype not in models:  # bf16 here is the noise floor's (plan_runs)
+            gemm = plan.floor_gemm if run.label == NOISE_FLOOR else None
+            models[run.dtype] = load_model(plan.model, run.dtype, device, gemm_dtype=gemm)
         for task, requests in tasks.items():
             log(f"{run.label} on {task}: {len(requests)} items, workflow {workflows[task].name}")
             baseline = report["items"].get("nonshared", {}).get(task)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.errors import ConfigError, UsageError
-from kvcmas.experiments.args import add_model_args
+from kvcmas.experiments.args import add_floor_gemm_arg, add_model_args
 from kvcmas.experiments.common import choice_list, int_list
 from kvcmas.experiments.context_sweep.plan import ROLES
 from kvcmas.methods import make_method
@@ -150,6 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="timing pass only: --merge joins it with a --no-timing part of the same points",
     )  # fmt: skip
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 point")
+    add_floor_gemm_arg(p)
     p.add_argument(
         "--rerender", action="store_true",
         help="run nothing: rewrite --out's table and plots from its results.json",

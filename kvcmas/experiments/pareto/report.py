@@ -171,6 +171,20 @@ def _parts_lines(setup: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _floor_gemm_text(results: dict[str, Any]) -> str:
+    """How the noise floor multiplied, where not natively in bf16 (``--floor-gemm fp32``)."""
+    wide = {
+        (r.get("fidelity") or {}).get("gemm_dtype")
+        for size in results["sizes"] for r in size["points"] if r["label"] == NOISE_FLOOR
+    } - {None}  # fmt: skip
+    if not wide:
+        return ""
+    return (
+        f", its matrix products run in {'/'.join(sorted(wide))} over bf16 weights and "
+        "inputs and rounded to bf16 (`--floor-gemm`: bf16's numbers up to summation order)"
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["setup"]
     lines = [
@@ -185,8 +199,8 @@ def markdown(results: dict[str, Any]) -> str:
         "other documents first. Fidelity (KL, agreement, rho, recompute) is measured with the "
         "methods in fp32 against NonShared in fp32, over hops 2+; speedups come from a separate "
         "timing pass and are NonShared's time over the point's (above 1 is faster). The noise "
-        "floor is NonShared in bf16 (dense work: its speed is the timing pass's NonShared "
-        "point). Frontier: not beaten "
+        f"floor is NonShared in bf16{_floor_gemm_text(results)} (dense work: its speed is the "
+        "timing pass's NonShared point). Frontier: not beaten "
         "on both TTFT speedup and first-token KL by another point of the same method. Reuse "
         "(1 - recompute 2+), the third axis, is known for every point and host-independent, "
         "but counts no work outside the recomputed pairs (matching, correction, a scoring "

@@ -29,7 +29,7 @@ from kvcmas.experiments.context_sweep.plan import (
 from kvcmas.experiments.context_sweep.runs import point_requests
 from kvcmas.experiments.pareto.plan import NOISE_FLOOR, Point, plan_points
 from kvcmas.methods import make_method
-from kvcmas.model.loader import LoadedModel, load_model
+from kvcmas.model.loader import LoadedModel, dtype_name, load_model
 from kvcmas.workflow.runner import RequestResult, Runner
 from kvcmas.workflow.spec import Workflow
 
@@ -83,6 +83,8 @@ def fidelity_pass(
         s = {**run_summary(results), **fidelity_summary(results, n_layers)}
         s["final_agreement"] = agreement(results, baseline) if baseline else None
         s["params"] = method.params()
+        if loaded.model.gemm_dtype != loaded.model.dtype:
+            s["gemm_dtype"] = dtype_name(loaded.model.gemm_dtype)
         out[point.label] = s
         log(
             f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
@@ -151,10 +153,12 @@ def pareto(
     count = args.warmup + args.measure
     all_docs = {s: documents(reference.tokenizer, texts, s, count) for s in sizes}
     floor = not args.no_noise_floor
-    bf16 = None if args.no_fidelity or not floor else load_model(args.model, "bf16", args.device)
+    bf16 = None
+    if floor and not args.no_fidelity:
+        bf16 = load_model(args.model, "bf16", args.device, gemm_dtype=args.floor_gemm)
     timed = None
     if not args.no_timing:
-        same = args.dtype == "bf16" and bf16
+        same = args.dtype == "bf16" and bf16 and args.floor_gemm == "bf16"
         timed = bf16 if same else load_model(args.model, args.dtype, args.device)
     results = {
         "setup": common.setup(
