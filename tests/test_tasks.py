@@ -321,6 +321,29 @@ def test_the_noise_floors_fp32_gemms_are_planned_and_stated():
     )
 
 
+def test_the_split_is_planned_checked_loaded_and_stated():
+    """A calibration run reads MMLU's validation questions, disjoint from the test items; a
+    benchmark without that split fails before any model loads."""
+    from kvcmas.cli import build_parser
+
+    parser = build_parser()
+    argv = ["bench", "accuracy", "--benchmarks", "mmlu", "--limit", "5", "--out", "x"]
+    test_plan = acc_plan.plan_from_args(parser.parse_args(argv))
+    plan = acc_plan.plan_from_args(parser.parse_args([*argv, "--split", "validation"]))
+    assert (test_plan.split, plan.split) == ("test", "validation")
+    wrong = ["bench", "accuracy", "--benchmarks", "mmlu,humaneval", "--split", "validation"]
+    with pytest.raises(UsageError, match="humaneval has no validation split"):
+        acc_plan.plan_from_args(parser.parse_args([*wrong, "--out", "x"]))
+    validation, test = acc_runs.plan_items(plan)["mmlu"], acc_runs.plan_items(test_plan)["mmlu"]
+    assert len(validation) == 5 and all("/validation/" in r["id"] for r in validation)
+    assert all("/test/" in r["id"] for r in test)
+    assert not {r["id"] for r in validation} & {r["id"] for r in test}
+    results = synthetic_results()
+    assert "seeded shuffle of each test split" in acc_report.markdown_table(results)
+    results["setup"]["split"] = "validation"
+    assert "seeded shuffle of each validation split" in acc_report.markdown_table(results)
+
+
 def _part(labels_tasks: dict[str, dict[str, list[str]]]) -> dict:
     """A split-run part: per label and task, the extracted answers of items i0, i1, ..."""
     base = synthetic_results()
@@ -416,6 +439,10 @@ def test_merge_refuses_parts_that_do_not_fit():
     more_items["setup"]["sizes"]["mmlu"] = 3
     with pytest.raises(UsageError, match="2 and 3 mmlu items"):
         acc_merge.merge_reports([a, more_items])
+    calibration = _part({"kvcmas": {"mmlu": ["A", "B"]}})
+    calibration["setup"]["split"] = "validation"  # a part without "split" ran on test
+    with pytest.raises(UsageError, match="different splits"):
+        acc_merge.merge_reports([a, calibration])
     other_ids = _part({"kvcmas": {"mmlu": ["A", "B"]}})
     other_ids["items"]["kvcmas"]["mmlu"][1]["id"] = "x"
     with pytest.raises(UsageError, match="other items than NonShared"):

@@ -59,6 +59,7 @@ class TaskSpec:
     task_tokens: int
     final_tokens: int
     final_reply_prefix: str = ""  # opens the decision agent's reply (see MMLU)
+    splits: tuple[str, ...] = ("test",)  # the dataset's splits (kvcmas.eval.data_prepare)
 
     def workflow(self, task_tokens: int | None = None, final_tokens: int | None = None) -> Workflow:
         """The roster; overrides (for quick runs) cap the task's own budgets, so that a short
@@ -120,6 +121,7 @@ MMLU = TaskSpec(
     task_tokens=40,
     final_tokens=2,
     final_reply_prefix="Answer:",
+    splits=("test", "validation"),
 )
 
 GSM8K = TaskSpec(

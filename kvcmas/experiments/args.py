@@ -41,6 +41,18 @@ def add_floor_gemm_arg(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+SPLITS = ("test", "validation")  # disjoint: a knob chosen on one is reported on the other
+
+
+def add_split_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--split``: where ``what`` comes from; calibrate on 'validation', report on 'test'."""
+    p.add_argument(
+        "--split", choices=SPLITS, default="test",
+        help=f"the split {what} come from: choose knobs on 'validation' (calibration), "
+        "report on 'test'",
+    )  # fmt: skip
+
+
 class _MethodOption(argparse.Action):
     """Stores ``--flag VALUE`` as ``namespace.method_options[field] = VALUE``."""
 

@@ -34,6 +34,8 @@ def check_parts_fit(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict
         for key in SAME_SETUP:
             if other["setup"].get(key) != first.get(key):
                 raise UsageError(f"cannot merge runs with a different {key}")
+        if other["setup"].get("split", "test") != first.get("split", "test"):  # older: test
+            raise UsageError("cannot merge runs of different splits (a calibration and a test)")
     # Parts may cover different benchmarks; each benchmark's items and budgets must agree.
     sizes: dict[str, int] = {}
     workflows: dict[str, dict] = {}

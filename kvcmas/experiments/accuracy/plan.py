@@ -18,6 +18,7 @@ from kvcmas.experiments.args import (
     add_floor_gemm_arg,
     add_method_args,
     add_model_args,
+    add_split_arg,
     method_options,
 )
 from kvcmas.experiments.common import choice_list
@@ -49,6 +50,7 @@ class Plan:
     fidelity: bool
     budgets: tuple[int | None, int | None]  # (task agents, decision agent) caps
     floor_gemm: str = "bf16"  # the noise floor's matrix products (--floor-gemm)
+    split: str = "test"  # where the items come from (--split)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 row")
     add_floor_gemm_arg(p)
+    add_split_arg(p, "the items")
     p.add_argument("--task-tokens", type=int, help="cap the task agents' budget (quick runs)")
     p.add_argument("--final-tokens", type=int, help="cap the decision agent's budget")
     add_model_args(p)
@@ -120,6 +123,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     for flag in ("task_tokens", "final_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    for task in args.benchmarks:
+        if args.split not in TASKS[task].splits:
+            raise UsageError(
+                f"{task} has no {args.split} split (it has: {', '.join(TASKS[task].splits)})"
+            )
     options = method_options(args)
     runs = plan_runs(args.methods, args.dtype, not args.no_noise_floor, not args.without_nonshared)
     names = sorted({r.method for r in runs})
@@ -139,4 +147,5 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         fidelity=args.fidelity,
         budgets=(args.task_tokens, args.final_tokens),
         floor_gemm=args.floor_gemm,
+        split=args.split,
     )

@@ -59,7 +59,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         "# Task accuracy on the task rosters",
         "",
         f"Model {s['model']} ({s['dtype']}), {s['decoding']} decoding; {sizes} items "
-        f"(seeded shuffle of each test split); machine {s['machine']}. "
+        f"(seeded shuffle of each {s.get('split', 'test')} split); machine {s['machine']}. "
         f"Workflows (new-token budgets): {_budget_text(report)}.",
         "",
         "Accuracy is strict (MMLU: last `Answer: X` line; GSM8K: number after the last "

@@ -153,6 +153,11 @@ def run_one(
     return records, summary
 
 
+def plan_items(plan: Plan) -> dict[str, list[dict]]:
+    """Per benchmark, the plan's items: the first ``limit`` of its split's seeded shuffle."""
+    return {t: load_requests(t, plan.limits[t], split=plan.split) for t in plan.benchmarks}
+
+
 def accuracy_experiment(
     plan: Plan,
     log: Log = print,
@@ -169,7 +174,7 @@ def accuracy_experiment(
     if plan.fidelity and "fp32" not in models:
         models["fp32"] = load_model(plan.model, "fp32", device)
     reference = models["fp32"] if plan.fidelity else None
-    tasks = {t: load_requests(t, plan.limits[t]) for t in plan.benchmarks}
+    tasks = plan_items(plan)
     workflows = {t: task_spec(t).workflow(*plan.budgets) for t in plan.benchmarks}
     report = new_report(plan, models[plan.dtype].name, tasks, workflows)
     for run in plan.runs:
@@ -207,6 +212,7 @@ def new_report(
             "reference": f"NonShared {plan.dtype}",
             "noise_floor": NOISE_FLOOR if NOISE_FLOOR in labels else None,
             "decoding": "greedy",
+            "split": plan.split,
             "sizes": {t: len(r) for t, r in tasks.items()},
             "workflows": {t: workflow_facts(w) for t, w in workflows.items()},
             "methods": labels,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.errors import ConfigError, UsageError
-from kvcmas.experiments.args import add_floor_gemm_arg, add_model_args
+from kvcmas.experiments.args import add_floor_gemm_arg, add_model_args, add_split_arg
 from kvcmas.experiments.common import choice_list, int_list
 from kvcmas.experiments.context_sweep.plan import ROLES
 from kvcmas.methods import make_method
@@ -26,7 +26,6 @@ from kvcmas.methods.kvcmas import LONG_CONTEXT
 
 NOISE_FLOOR = "nonshared-bf16"
 MAX_POINTS = 6
-SPLITS = ("test", "validation")  # disjoint: a knob chosen on one is reported on the other
 
 # Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets
 # the repair budget grade with the gate's entropy; tau 0.995 with no repair is round 1's default,
@@ -140,10 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests (stateful methods)")
     p.add_argument("--measure", type=int, default=8, help="measured requests per size")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
-    p.add_argument(
-        "--split", choices=SPLITS, default="test",
-        help="the source's split: choose knobs on 'validation' (calibration), report on 'test'",
-    )  # fmt: skip
+    add_split_arg(p, "the source's questions")
     p.add_argument("--no-timing", action="store_true", help="fidelity pass only")
     p.add_argument(
         "--no-fidelity", action="store_true",
