@@ -477,4 +477,4 @@ def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
         rows[1]["fidelity"] = floor_fidelity
         results["sizes"][0]["points"] = rows
         add_frontiers(results)
-        assert ("matrix products run in fp32 over bf16" in markdown(results)) is stated
+        assert ("its matrix products in fp32 over bf16" in markdown(results)) is stated

@@ -27,6 +27,17 @@ LENGTH_BUCKETS_LABELS = [f"{lo}-{hi - 1}" if hi < 10**9 else f">={lo}" for lo, h
 NOISE_FLOOR = "nonshared-bf16"
 
 
+def floor_gemm_phrase(gemm_dtypes: set[str]) -> str:
+    """How the noise floor multiplied, from its runs' recorded ``gemm_dtype`` values; empty
+    where it multiplied natively in bf16."""
+    if not gemm_dtypes:
+        return ""
+    return (
+        f"matrix products in {'/'.join(sorted(gemm_dtypes))} over bf16 weights and inputs, "
+        "rounded to bf16 (`--floor-gemm`: bf16's numbers up to summation order)"
+    )
+
+
 def run_method(
     loaded: LoadedModel,
     reference: LoadedModel | None,

@@ -43,6 +43,14 @@ class LoadedModel:
     def config(self) -> ModelConfig:
         return self.model.config
 
+    def gemm_facts(self) -> dict[str, str]:
+        """``{"gemm_dtype": ...}`` where the matrix products run wider than the weights (the
+        noise floor's ``--floor-gemm fp32``), else nothing: what a run records beside its
+        figures."""
+        if self.model.gemm_dtype == self.model.dtype:
+            return {}
+        return {"gemm_dtype": dtype_name(self.model.gemm_dtype)}
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVCMAS_CACHE", Path.home() / ".cache" / "kvcmas"))

@@ -12,6 +12,7 @@ from kvcmas.experiments.accuracy.merge import label_options
 from kvcmas.experiments.accuracy.plan import TITLES
 from kvcmas.experiments.cells import COST_HEADER, cost_cells, fmt, pair, reuse_cells
 from kvcmas.experiments.common import write_results
+from kvcmas.experiments.compare import floor_gemm_phrase
 
 
 def _budget_text(report: dict[str, Any]) -> str:
@@ -33,15 +34,9 @@ def _interval(successes: int, n: int) -> str:
 
 
 def _floor_gemm_text(report: dict[str, Any]) -> str:
-    """How the noise floor multiplied, where not natively in bf16 (``--floor-gemm fp32``)."""
     floor = report["summary"].get(report["setup"]["noise_floor"], {})
-    wide = {s.get("gemm_dtype") for s in floor.values()} - {None}
-    if not wide:
-        return ""
-    return (
-        f" (matrix products in {'/'.join(sorted(wide))} over bf16 weights and inputs, "
-        "rounded to bf16: `--floor-gemm`, bf16's numbers up to summation order)"
-    )
+    phrase = floor_gemm_phrase({s.get("gemm_dtype") for s in floor.values()} - {None})
+    return f" ({phrase})" if phrase else ""
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from kvcmas.experiments.accuracy.plan import Plan
 from kvcmas.experiments.compare import NOISE_FLOOR, run_method, summarize
 from kvcmas.experiments.machine import machine_description
 from kvcmas.methods import make_method
-from kvcmas.model.loader import LoadedModel, dtype_name, load_model
+from kvcmas.model.loader import LoadedModel, load_model
 from kvcmas.workflow.records import RequestResult, peak_rss_bytes
 from kvcmas.workflow.spec import Workflow
 
@@ -148,9 +148,7 @@ def run_one(
         "peak_rss_bytes": current_peak_rss_bytes(),  # since this run began, where possible
         "peak_rss_since_reset": measured_rss,
     }
-    if loaded.model.gemm_dtype != loaded.model.dtype:
-        summary["gemm_dtype"] = dtype_name(loaded.model.gemm_dtype)
-    return records, summary
+    return records, {**summary, **loaded.gemm_facts()}
 
 
 def plan_items(plan: Plan) -> dict[str, list[dict]]:

@@ -20,11 +20,11 @@ from typing import Any
 from kvcmas.errors import ConfigError, UsageError
 from kvcmas.experiments.args import add_floor_gemm_arg, add_model_args, add_split_arg
 from kvcmas.experiments.common import choice_list, int_list
+from kvcmas.experiments.compare import NOISE_FLOOR
 from kvcmas.experiments.context_sweep.plan import ROLES
 from kvcmas.methods import make_method
 from kvcmas.methods.kvcmas import LONG_CONTEXT
 
-NOISE_FLOOR = "nonshared-bf16"
 MAX_POINTS = 6
 
 # Knob ranges, cheapest repair first. KVCMAS at tau 1 reuses whenever anchors exist and lets

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcmas.experiments import common
-from kvcmas.experiments.compare import fmt
+from kvcmas.experiments.compare import floor_gemm_phrase, fmt
 from kvcmas.experiments.pareto.plan import NOISE_FLOOR
 
 REUSE = "reuse_later"  # 1 - recompute_later, derived in add_frontiers
@@ -172,17 +172,12 @@ def _parts_lines(setup: dict[str, Any]) -> list[str]:
 
 
 def _floor_gemm_text(results: dict[str, Any]) -> str:
-    """How the noise floor multiplied, where not natively in bf16 (``--floor-gemm fp32``)."""
     wide = {
         (r.get("fidelity") or {}).get("gemm_dtype")
         for size in results["sizes"] for r in size["points"] if r["label"] == NOISE_FLOOR
     } - {None}  # fmt: skip
-    if not wide:
-        return ""
-    return (
-        f", its matrix products run in {'/'.join(sorted(wide))} over bf16 weights and "
-        "inputs and rounded to bf16 (`--floor-gemm`: bf16's numbers up to summation order)"
-    )
+    phrase = floor_gemm_phrase(wide)
+    return f", its {phrase}" if phrase else ""
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ from kvcmas.experiments.context_sweep.plan import (
 from kvcmas.experiments.context_sweep.runs import point_requests
 from kvcmas.experiments.pareto.plan import NOISE_FLOOR, Point, plan_points
 from kvcmas.methods import make_method
-from kvcmas.model.loader import LoadedModel, dtype_name, load_model
+from kvcmas.model.loader import LoadedModel, load_model
 from kvcmas.workflow.runner import RequestResult, Runner
 from kvcmas.workflow.spec import Workflow
 
@@ -83,8 +83,7 @@ def fidelity_pass(
         s = {**run_summary(results), **fidelity_summary(results, n_layers)}
         s["final_agreement"] = agreement(results, baseline) if baseline else None
         s["params"] = method.params()
-        if loaded.model.gemm_dtype != loaded.model.dtype:
-            s["gemm_dtype"] = dtype_name(loaded.model.gemm_dtype)
+        s.update(loaded.gemm_facts())
         out[point.label] = s
         log(
             f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
