@@ -403,6 +403,45 @@ def test_merge_keeps_each_parts_method_options_per_label():
     assert again["setup"]["label_options"] == merged["setup"]["label_options"]
 
 
+def test_a_labelled_part_merges_as_its_own_row_of_its_method():
+    """Two KVCMAS parts with different options merge as two rows when one has --label: the
+    labelled row follows its method's, and its options are read as KVCMAS's."""
+    from kvcmas.cli import build_parser
+
+    parser = build_parser()
+    argv = ["bench", "accuracy", "--methods", "kvcmas", "--without-nonshared", "--out", "x"]
+    plan = acc_plan.plan_from_args(parser.parse_args([*argv, "--label", "kvcmas-head40"]))
+    assert [(r.label, r.method) for r in plan.runs] == [
+        ("kvcmas-head40", "kvcmas"), ("nonshared-bf16", "nonshared")
+    ]  # fmt: skip
+    for label in ("kvcmas", "nonshared-bf16", "cacheblend"):
+        with pytest.raises(UsageError, match="another row's name"):
+            acc_plan.plan_from_args(parser.parse_args([*argv, "--label", label]))
+    two = ["bench", "accuracy", "--methods", "kvcmas,cacheblend", "--label", "x", "--out", "x"]
+    with pytest.raises(UsageError, match="the one method a part runs"):
+        acc_plan.plan_from_args(parser.parse_args(two))
+
+    a = _part({"nonshared": {"mmlu": ["A", "B"]}, "nonshared-bf16": {"mmlu": ["A", "C"]}})
+    b = _part({"kvcmas": {"mmlu": ["A", "C"]}})
+    c = _part({"kvcmas-head40": {"mmlu": ["A", "B"]}, "cacheblend": {"mmlu": ["C", "C"]}})
+    b["setup"]["method_params"] = {"repair_max": "0.1"}
+    c["setup"]["method_params"] = {"repair_max": "0.1", "repair_head": "40", "ratio": "0.3"}
+    c["setup"]["label_methods"] = {"kvcmas-head40": "kvcmas", "cacheblend": "cacheblend"}
+    with pytest.raises(UsageError, match="give one part --label"):
+        acc_merge.merge_reports([a, b, _part({"kvcmas": {"mmlu": ["A", "B"]}})])
+    merged = acc_merge.merge_reports([c, b, a])
+    assert list(merged["summary"]) == [
+        "nonshared", "kvcmas", "kvcmas-head40", "cacheblend", "nonshared-bf16"
+    ]  # fmt: skip
+    assert merged["summary"]["kvcmas-head40"]["mmlu"]["agreement"] == 1.0
+    assert merged["setup"]["label_options"]["kvcmas-head40"] == {
+        "repair_max": "0.1", "repair_head": "40"
+    }  # fmt: skip
+    again = acc_merge.merge_reports([merged])
+    assert list(again["summary"]) == list(merged["summary"])
+    assert again["setup"]["label_options"] == merged["setup"]["label_options"]
+
+
 def test_merge_gives_no_ratio_across_machines():
     """A part run on another machine keeps its accuracy and agreement but not its timing
     ratios to NonShared; merging the merge again keeps that."""

@@ -48,8 +48,21 @@ def check_parts_fit(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict
     return sizes, workflows
 
 
+def label_method(setup: dict[str, Any], label: str) -> str:
+    """The method a row ran: its part's ``--label`` names it, else the label is the method."""
+    if label == NOISE_FLOOR:
+        return "nonshared"
+    return setup.get("label_methods", {}).get(label, label)
+
+
+def label_methods(reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Per row of every part, the method it ran."""
+    return {label: label_method(r["setup"], label) for r in reports for label in r["summary"]}
+
+
 def collect_runs(reports: list[dict[str, Any]]) -> tuple[dict, dict]:
-    """Summaries and items of every (label, benchmark), in method-registry order."""
+    """Summaries and items of every (label, benchmark), in method-registry order (a labelled
+    row after its method's)."""
     summary: dict[str, dict] = {}
     items: dict[str, dict] = {}
     for r in reports:
@@ -57,15 +70,22 @@ def collect_runs(reports: list[dict[str, Any]]) -> tuple[dict, dict]:
             for task, s in per_task.items():
                 if task in summary.get(label, {}):
                     raise UsageError(
-                        f"{label} on {task} appears in two of the merged runs (run the noise "
-                        "floor in one part only: --no-noise-floor in the others)"
+                        f"{label} on {task} appears in two of the merged runs (give one part "
+                        "--label to keep both; run the noise floor in one part only: "
+                        "--no-noise-floor in the others)"
                     )
                 summary.setdefault(label, {})[task] = s
                 items.setdefault(label, {})[task] = r["items"][label][task]
     if "nonshared" not in summary:
         raise UsageError("none of the merged runs holds NonShared, the agreement reference")
+    methods = label_methods(reports)
     known = list(METHODS) + [NOISE_FLOOR]  # registry order; unknown labels after the methods
-    order = sorted(summary, key=lambda x: known.index(x) if x in known else len(METHODS))
+
+    def rank(label: str) -> tuple[int, bool]:
+        method = NOISE_FLOOR if label == NOISE_FLOOR else methods[label]
+        return (known.index(method) if method in known else len(METHODS), label != method)
+
+    order = sorted(summary, key=rank)
     return {k: summary[k] for k in order}, {k: items[k] for k in order}
 
 
@@ -78,7 +98,7 @@ def label_options(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     given = setup.get("method_params") or {}
     out = {}
     for label in report["summary"]:
-        method = "nonshared" if label == NOISE_FLOOR else label
+        method = label_method(setup, label)
         taken = method_class(method).Config.option_names() if method in METHODS else ()
         options = {k: v for k, v in given.items() if k in taken}
         if options:
@@ -97,6 +117,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     setup["noise_floor"] = NOISE_FLOOR if NOISE_FLOOR in summary else None
     setup["machine"] = "; ".join(dict.fromkeys(r["setup"]["machine"] for r in reports))
     setup["merged_from"] = len(reports)
+    setup["label_methods"] = label_methods(reports)
     setup.pop("method_params", None)  # per part; kept per label instead
     setup["label_options"] = {
         label: options for r in reports for label, options in label_options(r).items()

@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fidelity", action="store_true", help="also measure every hop against NonShared fp32"
     )
+    p.add_argument(
+        "--label",
+        help="table label of the one method this part runs, e.g. kvcmas-head40 (so that parts "
+        "of one method with different options merge as two rows)",
+    )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 row")
     add_floor_gemm_arg(p)
     add_split_arg(p, "the items")
@@ -106,14 +111,30 @@ def smoke_args(out_dir: Path) -> list[str]:
 
 
 def plan_runs(
-    methods: list[str], dtype: str, noise_floor: bool, with_nonshared: bool = True
+    methods: list[str],
+    dtype: str,
+    noise_floor: bool,
+    with_nonshared: bool = True,
+    label: str | None = None,
 ) -> list[Run]:
-    """Runs in order: NonShared first, the noise floor (NonShared in bf16) last."""
+    """Runs in order: NonShared first, the noise floor (NonShared in bf16) last; ``label``
+    names the one other method's row (see :func:`check_label`)."""
     runs = [Run("nonshared", "nonshared", dtype)] if with_nonshared else []
-    runs += [Run(m, m, dtype) for m in methods if m != "nonshared"]
+    runs += [Run(label or m, m, dtype) for m in methods if m != "nonshared"]
     if noise_floor and dtype == "fp32":
         runs.append(Run(NOISE_FLOOR, "nonshared", "bf16"))
     return runs
+
+
+def check_label(label: str | None, methods: list[str]) -> None:
+    """A ``--label`` names one method's row and must not pass for another row's name."""
+    if label is None:
+        return
+    others = [m for m in methods if m != "nonshared"]
+    if len(others) != 1:
+        raise UsageError(f"--label names the one method a part runs; --methods gives {others}")
+    if label in METHODS or label in (NOISE_FLOOR, "nonshared"):
+        raise UsageError(f"--label {label!r} is another row's name; choose a new one")
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -128,8 +149,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             raise UsageError(
                 f"{task} has no {args.split} split (it has: {', '.join(TASKS[task].splits)})"
             )
+    check_label(args.label, args.methods)
     options = method_options(args)
-    runs = plan_runs(args.methods, args.dtype, not args.no_noise_floor, not args.without_nonshared)
+    runs = plan_runs(
+        args.methods, args.dtype, not args.no_noise_floor, not args.without_nonshared, args.label
+    )
     names = sorted({r.method for r in runs})
     try:
         check_options_used(names, options)

@@ -214,6 +214,7 @@ def new_report(
             "sizes": {t: len(r) for t, r in tasks.items()},
             "workflows": {t: workflow_facts(w) for t, w in workflows.items()},
             "methods": labels,
+            "label_methods": {r.label: r.method for r in plan.runs},
             "method_params": plan.options,
             "fidelity": plan.fidelity,
             "machine": machine_description(),
