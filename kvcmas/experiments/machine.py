@@ -6,6 +6,8 @@ import os
 import platform
 from pathlib import Path
 
+from kvcmas.model.allocator import freed_memory_kept
+
 
 def _cpuinfo(field: str) -> str | None:
     """The first value of ``field`` in Linux ``/proc/cpuinfo``; None where there is none."""
@@ -36,12 +38,14 @@ def vector_isa() -> str:
 
 
 def machine_description() -> str:
-    """CPU model, architecture and widest vector extension, logical cores and torch threads:
-    what a timing depends on."""
+    """CPU model, architecture and widest vector extension, logical cores, torch threads and,
+    where this process keeps freed memory (:mod:`kvcmas.model.allocator`), that: what a timing
+    depends on."""
     import torch  # local: the report gatherer runs without loading a model
 
     arch = ", ".join(x for x in (platform.machine(), vector_isa()) if x)
+    kept = ", freed memory kept" if freed_memory_kept() else ""
     return (
         f"{cpu_name()} ({arch}), {os.cpu_count()} logical cores, "
-        f"{torch.get_num_threads()} torch threads"
+        f"{torch.get_num_threads()} torch threads{kept}"
     )

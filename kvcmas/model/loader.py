@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvcmas.errors import DeviceError, ModelLoadError
+from kvcmas.model.allocator import keep_freed_memory
 from kvcmas.model.config import ModelConfig
 from kvcmas.model.transformer import Transformer
 
@@ -237,10 +238,13 @@ def load_model(
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
     gemm_dtype: str | torch.dtype | None = None,
+    keep_memory: bool = True,
 ) -> LoadedModel:
     """Load weights into our :class:`Transformer` on ``device`` and the tokenizer with its
     chat template. ``gemm_dtype``: run the matrix products wider than ``dtype`` with the same
-    numbers (see :meth:`Transformer.from_state_dict`); default ``dtype``."""
+    numbers (see :meth:`Transformer.from_state_dict`); default ``dtype``. ``keep_memory``: on
+    the CPU, set this process's allocator to keep freed memory (:mod:`kvcmas.model.allocator`);
+    false in a process whose allocator is another program's to choose."""
     from transformers import AutoTokenizer
 
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -249,6 +253,8 @@ def load_model(
     if gemm_dtype is not None and gemm_dtype.itemsize < torch_dtype.itemsize:
         raise ValueError(f"GEMM dtype {gemm_dtype} is narrower than the model's {torch_dtype}")
     torch_device = parse_device(device)  # refused before any file is read or converted
+    if keep_memory and torch_device.type == "cpu":
+        keep_freed_memory()  # before the weights: the forward's activations reuse the heap
     name, folder = resolve(spec)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     files = sorted(folder.glob("*.safetensors"))

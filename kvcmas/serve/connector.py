@@ -576,7 +576,9 @@ class KvcmasConnector(KVConnectorBase_V1):
             # On the device of vLLM's KV caches: the range is built next to the blocks it fills.
             device = next(iter(self.kv_caches.values())).device
             start = time.perf_counter()
-            self._loaded = load_model(str(config.model), config.dtype, device=str(device))
+            # vLLM's process: how its allocator keeps memory is the server's choice, not ours.
+            self._loaded = load_model(str(config.model), config.dtype, device=str(device),
+                                      keep_memory=False)
             self._stats["model_load_s"] += time.perf_counter() - start
             logger.info("KvcmasConnector: kvcmas runtime loaded %s in %s for %s",
                         config.model, config.dtype, self.method)
