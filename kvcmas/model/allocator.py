@@ -5,9 +5,8 @@ serves blocks over its mmap threshold with fresh mappings and unmaps them when f
 prefill touches them again page by page. Measured alone on a 2-core AMX host (Qwen2.5-Coder-0.5B
 in bf16, 2.1K-token prefills, four to six in a row per process): about 360K minor page faults
 and 1.5-2.0 s each with the default (three processes); about 6K faults and 1.3 s with the
-policy below. The cost falls on dense
-prefill far more than on a few recomputed rows, so without the policy the default biases every
-speed comparison towards the methods that reuse.
+policy below. The cost falls on dense prefill far more than on a few recomputed rows, so
+without the policy the default biases every speed comparison towards the methods that reuse.
 """
 
 from __future__ import annotations
