@@ -468,7 +468,9 @@ def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
         loaded, floor, trace_workflow(2, 3), [Point("nonshared")], docs, 0, lambda _: None
     )
     assert fid[NOISE_FLOOR]["gemm_dtype"] == "fp32" and "gemm_dtype" not in fid["nonshared"]
-    assert fid[NOISE_FLOOR]["first_token_kl_later_mean"] > 0  # bf16's numbers, not fp32's
+    # bf16's numbers, not fp32's: the cache differs from fp32's. (Not the first-token KL: on
+    # this random tiny model it is below its own rounding, -8e-7 on an AMX host.)
+    assert fid[NOISE_FLOOR]["kv_error_later_mean"] > 1e-3
     results = _two_point_results()
     rows = runs.merge_points([Point("nonshared")], fid, {}, True)
     plain = {**fid[NOISE_FLOOR]}
