@@ -7,6 +7,12 @@ in bf16, 2.1K-token prefills, four to six in a row per process): about 360K mino
 and 1.5-2.0 s each with the default (three processes); about 6K faults and 1.3 s with the
 policy below. The cost falls on dense prefill far more than on a few recomputed rows, so
 without the policy the default biases every speed comparison towards the methods that reuse.
+
+The price is a little memory. torch asks for 64-byte aligned blocks, for which glibc reserves
+slightly more than it keeps, so a freed block does not always fit the next of its size and the
+heap then grows by one block. It levels off: the same host and model, rounds of five prefills
+(512-2K tokens) with 20 decode steps each, resident memory 1917 MiB after the first round and
+1940 MiB from the second to the fourteenth, against about 1842 MiB with glibc's default.
 """
 
 from __future__ import annotations
