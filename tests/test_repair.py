@@ -284,6 +284,57 @@ def test_graded_head_repair_spends_its_budget_on_the_head(model):
     assert rec.computed_pairs == k * n_layers and rec.served_tokens == QUERY_LEN - k
 
 
+CHECKED = {"tau": 2.0, "min_anchors": 2, "repair_max": 0.1, "repair_head": 4,
+           "repair_select": "head"}  # fmt: skip
+
+
+def checked_stream(model, corrupt: bool):
+    """Three sessions of one query: the first two prefill densely and record anchors of this
+    very source, so the third's correction is nearly exact, or, with ``corrupt``, points
+    three times as far the wrong way."""
+    method = make_method("kvcmas", check_on_head=True, **CHECKED)
+    q = queries(1)[0]
+    run_stream(method, model, [q, q])
+    method.flush()
+    if corrupt:
+        for anchor in method.pools["query", "b"].anchors:
+            anchor.delta_k.a.mul_(-3)
+            anchor.delta_v.a.mul_(-3)
+    return method, q, two_agents(method, model, q, 2)[1]
+
+
+def same_cache(got, want):
+    n = want.cache.length
+    close(got.cache.k[:, :, :n], want.cache.k[:, :, :n])
+    close(got.cache.v[:, :, :n], want.cache.v[:, :, :n])
+    close(got.last_logits, want.last_logits)
+
+
+def test_checked_correction_that_helps_is_kept_as_graded_head_repair(model):
+    _, q, got = checked_stream(model, corrupt=False)
+    rec = query_record(got)
+    assert rec.decision == "partial" and rec.details["correction_kept"] is True
+    assert rec.details["head_error_corrected"] < rec.details["head_error_source"]
+    h = rec.details["selected"]
+    assert h == 4 + fraction_count(0.1 * rec.entropy / 2.0, QUERY_LEN) < QUERY_LEN
+    assert (rec.computed_pairs, rec.served_tokens) == (h * model.config.n_layers, QUERY_LEN - h)
+    # The same reuse without the check: correct all, then recompute the head over it.
+    unchecked = make_method("kvcmas", **CHECKED)
+    want = run_stream(unchecked, model, [q, q, q])[-1]
+    assert query_record(want).details["selected"] == h
+    same_cache(got, want)
+
+
+def test_checked_correction_that_hurts_is_dropped_as_head_recompute(model):
+    _, q, got = checked_stream(model, corrupt=True)
+    rec = query_record(got)
+    assert rec.decision == "partial" and rec.details["correction_kept"] is False
+    assert rec.details["head_error_corrected"] > rec.details["head_error_source"]
+    head = make_method("headrecompute", head_tokens=rec.details["selected"])
+    want = two_agents(head, model, q, 2)[1]
+    same_cache(got, want)
+
+
 def test_budget_grows_with_entropy_up_to_repair_max():
     c = KVCMASConfig(tau=0.9, repair_max=0.5, repair_from=0.3)
     assert c.repair_budget(0.0) == c.repair_budget(0.3) == 0.0
@@ -300,6 +351,9 @@ def test_budget_grows_with_entropy_up_to_repair_max():
         ("kvcmas", {"repair_select": "random"}, "repair_select"),
         ("kvcmas", {"repair_max": 0.2, "repair_from": 0.995}, "repair_from"),
         ("kvcmas", {"repair_check_layer": -1}, "repair_check_layer"),
+        ("kvcmas", {"check_on_head": True, "repair_max": 0.1}, "check_on_head"),  # deviation
+        ("kvcmas", {"check_on_head": True, "repair_select": "head"}, "check_on_head"),  # no repair
+        ("kvcmas", {**CHECKED, "check_on_head": True, "repair_head": 1}, "check_on_head"),
         ("headrecompute", {"head_tokens": -2}, "head_tokens"),
         ("headrecompute", {"head_tokens": "x"}, "head_tokens"),
     ],

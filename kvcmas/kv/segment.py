@@ -38,8 +38,15 @@ class SegmentKV:
         return rotate_keys(self.k, start, inv_freq)
 
 
-def place_segment(cache: KVCache, segment: SegmentKV, inv_freq: torch.Tensor) -> int:
-    """Append ``segment`` at the end of ``cache``; return the start position it was placed at."""
+def place_segment(
+    cache: KVCache, segment: SegmentKV, inv_freq: torch.Tensor, frame_offset: int = 0
+) -> int:
+    """Append ``segment`` at the end of ``cache``; return the start position it was placed at.
+
+    ``frame_offset`` is the position of the segment's first token in its canonical frame: a
+    span's tail cut after its first ``h`` tokens sits at ``h`` there, and is rotated by the
+    span's start, not its own."""
     start = cache.length
-    cache.append(segment.placed_keys(start, inv_freq).to(cache.dtype), segment.v.to(cache.dtype))
+    keys = segment.placed_keys(start - frame_offset, inv_freq)
+    cache.append(keys.to(cache.dtype), segment.v.to(cache.dtype))
     return start

@@ -85,6 +85,15 @@ class Match:
 
 
 @dataclass(frozen=True)
+class CorrectionCheck:
+    """A correction measured against exact rows (:meth:`AnchorPool.check_correction`)."""
+
+    keep: bool  # the corrected rows are closer to exact than the source's
+    corrected: float  # relative squared error of source + correction
+    source: float  # relative squared error of the source alone
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """How a pool stores and matches anchors; built by the methods' configs, which hold the
     defaults (:class:`~kvcmas.methods.kvcmas.KVCMASConfig`)."""
@@ -218,6 +227,27 @@ class AnchorPool:
         if not parts_a:
             return full, None, None
         return full, torch.cat(parts_a, dim=2), torch.cat(parts_b, dim=1)
+
+    def check_correction(
+        self,
+        match: Match,
+        x: tuple[torch.Tensor, torch.Tensor],
+        y: tuple[torch.Tensor, torch.Tensor],
+        first_row: int,
+    ) -> CorrectionCheck:
+        """Does ``match``'s correction bring source ``x`` (K, V over the whole span) closer to
+        exact rows ``y`` (K, V of the span's first ``h`` tokens)? Compared on rows
+        ``first_row..h-1`` as relative squared errors, K's and V's added."""
+        h = y[0].shape[1]
+        deltas = self.correction(match, h)
+        corrected = source = 0.0
+        for x_m, d, y_m in zip(x, deltas, y, strict=True):
+            exact, rows = y_m[:, first_row:h], slice(first_row, h)
+            gap = exact - x_m[:, rows]
+            scale = exact.pow(2).sum().clamp_min(1e-30)
+            source += float(gap.pow(2).sum() / scale)
+            corrected += float((gap - d[:, rows]).pow(2).sum() / scale)
+        return CorrectionCheck(corrected < source, corrected, source)
 
     def count_uses(self, match: Match) -> None:
         """A use is a reuse on which the anchor's span weight is at least 1/|A|."""

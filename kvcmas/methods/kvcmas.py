@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvcmas.kv.lowrank import MatrixBuffer, as_matrices
-from kvcmas.kv.segment import SegmentKV
+from kvcmas.kv.segment import SegmentKV, place_segment
 from kvcmas.methods.anchors import AnchorPool, PoolConfig
 from kvcmas.methods.background import MODES, BackgroundWork
 from kvcmas.methods.base import (
@@ -76,6 +76,11 @@ class KVCMASConfig(MethodConfig):
         "lengthens the head; no scoring pass)",
     )
     repair_check_layer: int = option(1, "graded repair: layer where tokens are scored")
+    check_on_head: bool = option(
+        False,
+        "graded repair: correct a span's tail only if the correction brings the second half "
+        "of its exactly recomputed head closer to dense (needs repair_select 'head')",
+    )
 
     def check(self) -> None:
         m = self.method
@@ -98,6 +103,14 @@ class KVCMASConfig(MethodConfig):
             m,
             "repair_from must be >= 0 and below tau",
         )
+        require(
+            not self.check_on_head
+            or (self.repair_select == "head" and self.repair_head >= 2
+                and self.repair_max > 0 and self.repair_from == 0),
+            m,
+            "check_on_head needs a head to check: repair_select 'head', repair_head >= 2, "
+            "repair_max > 0 and repair_from 0",
+        )  # fmt: skip
 
     def repair_budget(self, entropy: float) -> float:
         """The fraction of a reused span to repair at gate entropy ``entropy``: 0 up to
@@ -209,11 +222,15 @@ class KVCMAS(Method):
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             match = pool.match(xk, xv)
         if match is not None and match.entropy < self.tau:
+            pool.count_uses(match)
+            if self.kvcmas_config().check_on_head:
+                return self._reuse_checked(
+                    seg, shared, (source, source_agent), pool, match, (xk, xv), model, cache
+                )
             # X + correction in fp32 from the matrices the match already made, layer by
             # layer, rounded once into the source's dtype (layer 0, never corrected, is copied).
             k = _with_layers(source.k, pool.corrected_layers(match, xk, "k"))
             v = _with_layers(source.v, pool.corrected_layers(match, xv, "v"))
-            pool.count_uses(match)
             rec = reuse_shared(
                 seg,
                 shared,
@@ -260,6 +277,51 @@ class KVCMAS(Method):
             rec.served_tokens = 0
         rec.details.update(
             repair_budget=round(budget, 6), selected=repair.count, probe_tokens=repair.probe_tokens
+        )
+
+    def _reuse_checked(self, seg, shared, origin, pool, match, x, model, cache) -> SegmentRecord:
+        """Graded head repair that checks the correction on the head it recomputes anyway.
+
+        The span's first ``h`` tokens (head plus budget) are prefilled exactly first: they
+        attend only to the context before them, so this is the same as repairing them after
+        placement. On the second half of that head (past the attention-sink tokens, whose
+        deviation the rest of the span does not share) the exact rows show whether this
+        match's correction moves the source toward dense. The tail is then placed corrected
+        if it did, uncorrected (head recompute) if not; the measured errors are recorded."""
+        (source, source_agent), (xk, xv) = origin, x
+        c = self.kvcmas_config()
+        n, n_layers = len(seg), model.config.n_layers
+        budget = c.repair_budget(match.entropy)
+        h = min(n, c.repair_head + fraction_count(budget, n))
+        start = cache.length
+        ids = torch.tensor(seg.tokens[:h], dtype=torch.long, device=cache.device)
+        rows = torch.arange(start, start + h, device=cache.device)
+        model.forward(ids, rows, cache, logits_rows=None)
+        exact = SegmentKV.from_cache(cache, start, start + h, model.inv_freq)
+        y = as_matrices(exact.k[1:]), as_matrices(exact.v[1:])
+        check = pool.check_correction(match, x, y, first_row=h // 2)
+        if h < n:
+            if check.keep:
+                k = _with_layers(source.k, pool.corrected_layers(match, xk, "k"))
+                v = _with_layers(source.v, pool.corrected_layers(match, xv, "v"))
+            else:
+                k, v = source.k, source.v
+            tail = SegmentKV(k[:, :, h:], v[:, :, h:])
+            place_segment(cache, tail, model.inv_freq, frame_offset=h)
+        decision = "dense" if h == n else "partial"
+        details = {
+            "source": source_agent,
+            "anchors": len(match.anchors),
+            "top_weight": round(float(match.span_weights.max()), 4),
+            "repair_budget": round(budget, 6),
+            "selected": h,
+            "probe_tokens": 0,
+            "correction_kept": check.keep,
+            "head_error_corrected": round(check.corrected, 6),
+            "head_error_source": round(check.source, 6),
+        }
+        return SegmentRecord(
+            seg.slot, shared.kind, start, n, decision, h * n_layers, n - h, match.entropy, details
         )
 
     def after_hop(self, hop, build) -> None:
