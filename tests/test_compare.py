@@ -67,3 +67,18 @@ def test_segment_error_sections_only_with_fidelity():
     table = markdown_table(with_fidelity)
     assert "| kvcmas | query | 3 | 2 | 0.1000 | 0.0500 |" in table
     assert "0.1000 (n=2)" in table
+
+
+def test_kept_corrections_are_counted_on_later_hops_only():
+    run = fake_run(0.5, latency=1.0, cpu=1.0, served=80)
+    hops = run[0].hops
+    checked = {"kind": "input", "decision": "partial"}
+    hops[0].segments = [{**checked, "details": {"correction_kept": True}}]  # hop 1: not counted
+    hops[1].segments = [{**checked, "details": {"correction_kept": True}}]
+    hops[2].segments = [{**checked, "details": {"correction_kept": False}},
+                        {"kind": "private", "decision": "dense"}]  # fmt: skip
+    hops[3].segments = [{**checked, "details": {"correction_kept": False}}]
+    s = run_summary(run)
+    assert s["corrections_checked_later"] == 3
+    assert s["corrections_kept_later"] == pytest.approx(1 / 3)
+    assert "corrections_kept_later" not in run_summary(fake_run(0.5, 1.0, 1.0, 80))

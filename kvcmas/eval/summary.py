@@ -59,6 +59,16 @@ def run_summary(results: list[RequestResult]) -> dict[str, Any]:
         for s in h.segments
         if s["kind"] != "private"
     )
+    # KVCMAS with check_on_head: how often the head check kept a span's correction.
+    kept = [
+        s["details"]["correction_kept"]
+        for h in sets["later"]
+        for s in h.segments
+        if "correction_kept" in s.get("details", {})
+    ]
+    if kept:
+        out["corrections_checked_later"] = len(kept)
+        out["corrections_kept_later"] = sum(kept) / len(kept)
     per_agent: dict[str, list[float]] = {}
     for h in sets["later"]:
         per_agent.setdefault(h.agent, []).append(h.ttft_s)
