@@ -21,7 +21,7 @@ import torch
 
 from kvcmas.kv.lowrank import MatrixBuffer, as_matrices
 from kvcmas.kv.segment import SegmentKV, place_segment
-from kvcmas.methods.anchors import AnchorPool, PoolConfig
+from kvcmas.methods.anchors import AnchorPool, Match, PoolConfig
 from kvcmas.methods.background import MODES, BackgroundWork
 from kvcmas.methods.base import (
     Method,
@@ -144,6 +144,15 @@ def _with_layers(x: torch.Tensor, layers: Iterator[torch.Tensor]) -> torch.Tenso
     return out
 
 
+def _match_details(source_agent: str | None, match: Match) -> dict[str, Any]:
+    """What a reused span's record says of its source and match."""
+    return {
+        "source": source_agent,
+        "anchors": len(match.anchors),
+        "top_weight": round(float(match.span_weights.max()), 4),
+    }
+
+
 def _rank(value: int | None) -> int | None:
     return None if value is None or value <= 0 else value  # 0: full width
 
@@ -237,9 +246,7 @@ class KVCMAS(Method):
                 SegmentKV(k, v),
                 model,
                 cache,
-                source=source_agent,
-                anchors=len(match.anchors),
-                top_weight=round(float(match.span_weights.max()), 4),
+                **_match_details(source_agent, match),
             )
             rec.entropy = match.entropy
             self._repair(hop, seg, model, cache, rec)
@@ -310,9 +317,7 @@ class KVCMAS(Method):
             place_segment(cache, tail, model.inv_freq, frame_offset=h)
         decision = "dense" if h == n else "partial"
         details = {
-            "source": source_agent,
-            "anchors": len(match.anchors),
-            "top_weight": round(float(match.span_weights.max()), 4),
+            **_match_details(source_agent, match),
             "repair_budget": round(budget, 6),
             "selected": h,
             "probe_tokens": 0,
