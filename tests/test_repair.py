@@ -288,11 +288,11 @@ CHECKED = {"tau": 2.0, "min_anchors": 2, "repair_max": 0.1, "repair_head": 4,
            "repair_select": "head"}  # fmt: skip
 
 
-def checked_stream(model, corrupt: bool):
+def checked_stream(model, corrupt: bool, **options):
     """Three sessions of one query: the first two prefill densely and record anchors of this
     very source, so the third's correction is nearly exact, or, with ``corrupt``, points
     three times as far the wrong way."""
-    method = make_method("kvcmas", check_on_head=True, **CHECKED)
+    method = make_method("kvcmas", check_on_head=True, **CHECKED, **options)
     q = queries(1)[0]
     run_stream(method, model, [q, q])
     method.flush()
@@ -335,6 +335,27 @@ def test_checked_correction_that_hurts_is_dropped_as_head_recompute(model):
     same_cache(got, want)
 
 
+def test_head_first_match_that_keeps_the_correction_equals_the_whole_span_check(model):
+    """The check passes on the head's own match, so the span is matched whole for its tail:
+    the cache is the full-match check's (the budget's single extra token makes both heads
+    4 + 1 long whatever the two entropies)."""
+    _, q, got = checked_stream(model, corrupt=False, match_head_first=True)
+    _, _, want = checked_stream(model, corrupt=False)
+    rec, full = query_record(got), query_record(want)
+    assert rec.details["correction_kept"] is True and rec.details["selected"] == 5
+    assert rec.details["matched_tokens"] == 4 + QUERY_LEN
+    assert full.details["matched_tokens"] == QUERY_LEN and full.details["selected"] == 5
+    same_cache(got, want)
+
+
+def test_head_first_match_that_drops_the_correction_never_matches_the_tail(model):
+    _, q, got = checked_stream(model, corrupt=True, match_head_first=True)
+    rec = query_record(got)
+    assert rec.details["correction_kept"] is False and rec.details["matched_tokens"] == 4
+    head = make_method("headrecompute", head_tokens=rec.details["selected"])
+    same_cache(got, two_agents(head, model, q, 2)[1])
+
+
 def test_budget_grows_with_entropy_up_to_repair_max():
     c = KVCMASConfig(tau=0.9, repair_max=0.5, repair_from=0.3)
     assert c.repair_budget(0.0) == c.repair_budget(0.3) == 0.0
@@ -354,6 +375,7 @@ def test_budget_grows_with_entropy_up_to_repair_max():
         ("kvcmas", {"check_on_head": True, "repair_max": 0.1}, "check_on_head"),  # deviation
         ("kvcmas", {"check_on_head": True, "repair_select": "head"}, "check_on_head"),  # no repair
         ("kvcmas", {**CHECKED, "check_on_head": True, "repair_head": 1}, "check_on_head"),
+        ("kvcmas", {**CHECKED, "match_head_first": True}, "match_head_first"),  # no check
         ("headrecompute", {"head_tokens": -2}, "head_tokens"),
         ("headrecompute", {"head_tokens": "x"}, "head_tokens"),
     ],

@@ -81,6 +81,11 @@ class KVCMASConfig(MethodConfig):
         "graded repair: correct a span's tail only if the correction brings the second half "
         "of its exactly recomputed head closer to dense (needs repair_select 'head')",
     )
+    match_head_first: bool = option(
+        False,
+        "check_on_head: match only the first repair_head tokens (the gate, the budget and the "
+        "check read that match); match the whole span only if the check keeps the correction",
+    )
 
     def check(self) -> None:
         m = self.method
@@ -111,6 +116,11 @@ class KVCMASConfig(MethodConfig):
             "check_on_head needs a head to check: repair_select 'head', repair_head >= 2, "
             "repair_max > 0 and repair_from 0",
         )  # fmt: skip
+        require(
+            not self.match_head_first or self.check_on_head,
+            m,
+            "match_head_first needs check_on_head (the check decides whether to match the rest)",
+        )
 
     def repair_budget(self, entropy: float) -> float:
         """The fraction of a reused span to repair at gate entropy ``entropy``: 0 up to
@@ -150,7 +160,13 @@ def _match_details(source_agent: str | None, match: Match) -> dict[str, Any]:
         "source": source_agent,
         "anchors": len(match.anchors),
         "top_weight": round(float(match.span_weights.max()), 4),
+        "matched_tokens": _matched(match),
     }
+
+
+def _matched(match: Match) -> int:
+    """Tokens a match compared (a head-first match: only the head's)."""
+    return match.token_weights.shape[1]
 
 
 def _rank(value: int | None) -> int | None:
@@ -229,7 +245,9 @@ class KVCMAS(Method):
         xk, xv = self._source_k.matrices(source.k[1:]), self._source_v.matrices(source.v[1:])
         match = None
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
-            match = pool.match(xk, xv)
+            c = self.kvcmas_config()
+            m = c.repair_head if c.match_head_first else None  # < len(seg), or dense above
+            match = pool.match(xk[:, :m], xv[:, :m])
         if match is not None and match.entropy < self.tau:
             pool.count_uses(match)
             if self.kvcmas_config().check_on_head:
@@ -294,7 +312,9 @@ class KVCMAS(Method):
         placement. On the second half of that head (past the attention-sink tokens, whose
         deviation the rest of the span does not share) the exact rows show whether this
         match's correction moves the source toward dense. The tail is then placed corrected
-        if it did, uncorrected (head recompute) if not; the measured errors are recorded."""
+        if it did, uncorrected (head recompute) if not; the measured errors are recorded.
+        A head-first ``match`` covers only the first ``repair_head`` tokens: the check reads
+        those, and the whole span is matched only for a tail that keeps the correction."""
         (source, source_agent), (xk, xv) = origin, x
         c = self.kvcmas_config()
         n, n_layers = len(seg), model.config.n_layers
@@ -305,26 +325,31 @@ class KVCMAS(Method):
         rows = torch.arange(start, start + h, device=cache.device)
         model.forward(ids, rows, cache, logits_rows=None)
         exact = SegmentKV.from_cache(cache, start, start + h, model.inv_freq)
-        y = as_matrices(exact.k[1:]), as_matrices(exact.v[1:])
-        check = pool.check_correction(match, x, y, first_row=h // 2)
+        checked = min(h, _matched(match))
+        y = as_matrices(exact.k[1:, :, :checked]), as_matrices(exact.v[1:, :, :checked])
+        check = pool.check_correction(match, x, y, first_row=checked // 2)
+        details = _match_details(source_agent, match)
         if h < n:
             if check.keep:
-                k = _with_layers(source.k, pool.corrected_layers(match, xk, "k"))
-                v = _with_layers(source.v, pool.corrected_layers(match, xv, "v"))
+                whole = match
+                if _matched(match) < n:  # head-first: the tail's token weights
+                    whole = pool.match(xk, xv)
+                    details["matched_tokens"] += n
+                k = _with_layers(source.k, pool.corrected_layers(whole, xk, "k"))
+                v = _with_layers(source.v, pool.corrected_layers(whole, xv, "v"))
             else:
                 k, v = source.k, source.v
             tail = SegmentKV(k[:, :, h:], v[:, :, h:])
             place_segment(cache, tail, model.inv_freq, frame_offset=h)
         decision = "dense" if h == n else "partial"
-        details = {
-            **_match_details(source_agent, match),
+        details.update({
             "repair_budget": round(budget, 6),
             "selected": h,
             "probe_tokens": 0,
             "correction_kept": check.keep,
             "head_error_corrected": round(check.corrected, 6),
             "head_error_source": round(check.source, 6),
-        }
+        })  # fmt: skip
         return SegmentRecord(
             seg.slot, shared.kind, start, n, decision, h * n_layers, n - h, match.entropy, details
         )
