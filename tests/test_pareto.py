@@ -144,6 +144,22 @@ def test_rerender_rewrites_an_earlier_runs_table(tmp_path):
         pareto.run(parse("--rerender", "--out", str(tmp_path / "none")))
 
 
+def test_a_timing_only_run_draws_no_empty_plot(tmp_path):
+    from kvcmas.experiments.pareto.report import plot
+
+    results = _two_point_results()
+    add_frontiers(results)
+    plot(results, tmp_path)
+    assert (tmp_path / "pareto_64.png").is_file()
+    for r in results["sizes"][0]["points"]:
+        r["first_token_kl"] = None  # what --no-fidelity records
+    add_frontiers(results)
+    untimed = tmp_path / "timing-only"
+    untimed.mkdir()
+    plot(results, untimed)
+    assert not list(untimed.iterdir())
+
+
 def _part(tmp_path, name: str, labels: list[tuple[str, str, float, float]], **setup) -> str:
     """A pareto run's folder at one size with NonShared and the given (method, label, TTFT
     speedup, KL) points."""

@@ -219,7 +219,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], out: Path) -> None:
     """``pareto_<size>.png`` per size: each method's frontier (lines) over all its points
-    (markers), first-token KL against TTFT speedup (hops 2+), end-to-end speedup and reuse."""
+    (markers), first-token KL against TTFT speedup (hops 2+), end-to-end speedup and reuse.
+    A size with no point placed on any panel (a timing-only run has no KL) gets no plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,6 +229,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
     s = results["setup"]
     for size in results["sizes"]:
         rows = size["points"]
+        if not any(_placed(rows, axis) for axis, _ in AXES):
+            continue
         # One colour per method in every panel, though a panel draws only its placed methods.
         colour = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
         fig, axes = plt.subplots(1, len(AXES), figsize=(5.6 * len(AXES), 4.6), squeeze=False)
