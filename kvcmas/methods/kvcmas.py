@@ -243,14 +243,13 @@ class KVCMAS(Method):
         self.background.wait_for(key)  # anchors recorded earlier must be in the pool
         pool = self.pool(*key)
         xk, xv = self._source_k.matrices(source.k[1:]), self._source_v.matrices(source.v[1:])
-        match = None
+        c, match = self.kvcmas_config(), None
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
-            c = self.kvcmas_config()
             m = c.repair_head if c.match_head_first else None  # < len(seg), or dense above
             match = pool.match(xk[:, :m], xv[:, :m])
         if match is not None and match.entropy < self.tau:
             pool.count_uses(match)
-            if self.kvcmas_config().check_on_head:
+            if c.check_on_head:
                 return self._reuse_checked(
                     seg, shared, (source, source_agent), pool, match, (xk, xv), model, cache
                 )
