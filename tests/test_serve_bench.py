@@ -338,6 +338,23 @@ def test_bench_serve_parses_capacity_and_method_options(tmp_path):
         parser.parse_args(["bench", "serve", "--out", "x", "--capacity", "512:0.1"])
 
 
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [("fpu avx2 amx_bf16 amx_tile avx512f", "bf16"), ("avx2 avx512f avx512_bf16", "bf16"),
+     ("avx2 avx512f", "fp32"), ("avx2", "fp32"), ("", "fp32")],
+)
+def test_bench_serve_times_in_bf16_only_on_a_cpu_with_bf16_matrix_instructions(
+    monkeypatch, tmp_path, flags, dtype
+):
+    from kvcmas.experiments import machine
+
+    monkeypatch.setattr(machine, "_cpuinfo", lambda field: flags if field == "flags" else None)
+    args = cli.build_parser().parse_args(["bench", "serve", "--out", str(tmp_path)])
+    assert args.dtype == dtype
+    assert cli.build_parser().parse_args(
+        ["bench", "serve", "--out", str(tmp_path), "--dtype", "fp32"]).dtype == "fp32"
+
+
 def test_method_server_gives_the_span_store_bound_and_yields_the_server_group(
     tmp_path, monkeypatch
 ):
@@ -578,7 +595,7 @@ def test_bench_serve_end_to_end_on_three_servers(tmp_path):
             [sys.executable, "-m", "kvcmas.cli", "bench", "serve", "--sizes", "64", "--loads",
              "1.0", "--methods", "nonshared,fullshared,kvcomm-v10", "--sessions", "3",
              "--output-tokens", "8", "--capacity", "64=0.5", "--warmup", "0",
-             "--kv-cache-bytes", str(256 << 20), "--out", str(out)],
+             "--kv-cache-bytes", str(256 << 20), "--dtype", "fp32", "--out", str(out)],
             stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, timeout=900,
         )  # fmt: skip
     assert run.returncode == 0, log.read_text()[-4000:]

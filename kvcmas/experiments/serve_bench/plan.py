@@ -10,13 +10,9 @@ from kvcmas.errors import UsageError
 from kvcmas.experiments.args import add_model_args
 from kvcmas.experiments.common import float_list, int_list, parse_list
 from kvcmas.experiments.engine_run import PLAIN
+from kvcmas.experiments.machine import serving_dtype
 from kvcmas.methods.kvcmas import LONG_CONTEXT
-from kvcmas.serve.launch import (
-    DEFAULT_KV_CACHE_BYTES,
-    DEFAULT_STORE_BYTES,
-    check_method,
-    check_sizes,
-)
+from kvcmas.serve.launch import check_method, check_sizes
 from kvcmas.serve.params import DEFAULT_MIN_GAIN
 
 
@@ -55,7 +51,18 @@ METHODS = {
     )
 }
 BASELINE = "nonshared"
-DEFAULT_METHODS = list(METHODS)
+# The small grid, which finishes within an hour on 2 cores with bf16 GEMMs: plain vLLM against
+# KVCMAS, the comparison the serving targets state. Every other method is a `--methods` part.
+DEFAULT_METHODS = [BASELINE, "kvcmas"]
+# Bounds sized for the default grid's workload (40 sessions of 128-token outputs over documents
+# of up to 2K tokens, loads up to 1.0): the KV cache and span store hold every session in
+# flight, per-session state holds non-chained KVCMAS's references, and a cell's last sessions
+# finish within the drain. `kvcmas serve` keeps its own, smaller defaults.
+BENCH_KV_CACHE_BYTES = 2 << 30
+BENCH_STORE_BYTES = 4 << 30
+BENCH_SESSION_STATE_BYTES = 4 << 30
+BENCH_CELL_TIME_S = 600.0
+BENCH_DRAIN_S = 200.0
 
 
 def method_order(names: list[str]) -> list[str]:
@@ -107,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--methods",
         type=lambda t: parse_list(t, str, list(METHODS)),
         default=DEFAULT_METHODS,
-        help=f"comma-separated, from {', '.join(METHODS)} (one server each)",
+        help=f"comma-separated, from {', '.join(METHODS)} (one server each; default: "
+        f"{','.join(DEFAULT_METHODS)})",
     )
     p.add_argument(
         "--sessions", "--max-sessions", type=int, default=40, help="sessions sent per cell"
@@ -131,10 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "latency)")
     p.add_argument("--search-probes", type=int, default=6, help="probes of a capacity search")
     p.add_argument(
-        "--cell-time-s", type=float, default=300.0, help="a cell stops sending after this"
+        "--cell-time-s", type=float, default=BENCH_CELL_TIME_S,
+        help="a cell stops sending after this",
     )
     p.add_argument(
-        "--drain-s", type=float, default=60.0, help="then waits this long before cancelling"
+        "--drain-s", type=float, default=BENCH_DRAIN_S,
+        help="then waits this long before cancelling",
     )
     p.add_argument(
         "--options",
@@ -143,12 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="METHOD:key=value,... options of that method's server (repeatable)",
     )
-    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
+    p.add_argument("--kv-cache-bytes", type=int, default=BENCH_KV_CACHE_BYTES,
                    help="vLLM's KV cache (per instance)")
-    p.add_argument("--store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+    p.add_argument("--store-bytes", type=int, default=BENCH_STORE_BYTES,
                    help="bound of the connector's span store (per instance): at long S it "
                         "must hold the sources of every session in flight")
-    p.add_argument("--session-state-bytes", type=int, default=None,
+    p.add_argument("--session-state-bytes", type=int, default=BENCH_SESSION_STATE_BYTES,
                    help="bound of a method's per-session state (reference prefills, bases; "
                         "per instance): to keep it, hold every session in flight")
     p.add_argument(
@@ -169,6 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="merge these runs' results.json into --out (runs nothing; the runs "
                         "must share the trace and, at each S, plain vLLM's capacity)")  # fmt: skip
     add_model_args(p, device=False)
+    # Timing in what a user would serve in on this CPU (bf16 only where it has bf16 GEMMs).
+    p.set_defaults(dtype=serving_dtype())
 
 
 def check_args(args: argparse.Namespace) -> None:
