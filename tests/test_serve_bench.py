@@ -462,6 +462,11 @@ def test_report_states_setup_capacity_and_ratios_and_draws_every_plot(tmp_path):
     plot(results, tmp_path)
     for name in ("ttft_vs_load", "ttft_vs_size", "chained_vs_nonchained", "memory_vs_size"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+    # Without non-chained KVCMAS there is nothing to set chained against: no such plot.
+    results["cells"] = [c for c in results["cells"] if c["method"] != "kvcmas-nochain"]
+    plot(results, tmp_path / "chained only")
+    assert not (tmp_path / "chained only" / "chained_vs_nonchained.png").exists()
+    assert (tmp_path / "chained only" / "ttft_vs_load.png").exists()
 
 
 def test_report_renders_results_written_before_cpu_and_store_bound_were_recorded():
