@@ -496,3 +496,147 @@ def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
         results["sizes"][0]["points"] = rows
         add_frontiers(results)
         assert ("its matrix products in fp32 over bf16" in markdown(results)) is stated
+
+
+# --- --resume: a fidelity pass stopped early goes on where it stopped -------------------------
+
+RESUME_POINTS = (
+    "--point", "kvcmas:tau=1.0,repair_head=4", "--point", "headrecompute:head_tokens=4"
+)  # fmt: skip
+KV_POINT, HEAD_POINT = "kvcmas(tau=1.0,repair_head=4)", "headrecompute(head_tokens=4)"
+
+
+def _fidelity_run(tmp_path, monkeypatch, *argv, points=RESUME_POINTS, stop_after=None):
+    """``kvcmas bench pareto --no-timing`` of NonShared and ``points`` (and the noise floor)
+    on the tiny model into ``tmp_path/run``: the labels it ran; ``stop_after``: the number of
+    points it runs before it is stopped (an error, as a killed run)."""
+    import torch
+
+    from kvcmas.experiments import pareto
+    from kvcmas.experiments.pareto import runs
+    from kvcmas.model.config import ModelConfig
+    from kvcmas.model.loader import LoadedModel
+    from kvcmas.model.transformer import Transformer
+    from tests.conftest import tiny_loaded
+
+    loaded, hf = tiny_loaded()
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    wide = Transformer.from_state_dict(
+        config, hf.state_dict(), torch.bfloat16, gemm_dtype=torch.float32
+    )
+    floor = LoadedModel("tiny", wide, loaded.tokenizer, loaded.folder)
+
+    def load(spec, dtype="fp32", device="cpu", gemm_dtype=None):  # the floor: fp32 unless wide
+        return floor if gemm_dtype == "fp32" else loaded
+
+    ran, run_point = [], runs.run_point
+
+    def recording(loaded, workflow, point, *rest):
+        if len(ran) == stop_after:
+            raise KeyboardInterrupt
+        ran.append(point.label)
+        return run_point(loaded, workflow, point, *rest)
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(
+        ["--sizes", "48", "--agents", "2", "--output-tokens", "3", "--warmup", "1", "--measure",
+         "2", "--no-timing", "--methods", "nonshared", *points, "--out",
+         str(tmp_path / "run"), *argv]
+    )  # fmt: skip
+    check_args(args)
+    with monkeypatch.context() as patch:  # undone on return: the next run patches afresh
+        patch.setattr(runs, "load_model", load)
+        patch.setattr(runs, "run_point", recording)
+        if stop_after is None:
+            pareto.run(args)
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                pareto.run(args)
+    return ran
+
+
+def _fidelity_rows(folder: Path) -> dict[int, dict[str, dict]]:
+    """Per size, label -> fidelity figures (not the times, which no two runs share)."""
+    sizes = json.loads((folder / "results.json").read_text())["sizes"]
+    kept = ("kv_error", "first_token_kl", "continuation_kl", "same_hop", "final_", "rho",
+            "recompute", "k_error", "v_error", "params", "gemm")  # fmt: skip
+    return {s["size"]: {r["label"]: {k: v for k, v in r["fidelity"].items() if k.startswith(kept)}
+                        for r in s["points"]} for s in sizes}  # fmt: skip
+
+
+def test_a_resumed_fidelity_pass_runs_only_what_is_left_and_matches_a_whole_run(
+    tmp_path, monkeypatch
+):
+    labels = ["nonshared", KV_POINT, HEAD_POINT, NOISE_FLOOR]
+    both = ("--sizes", "48,64")
+    assert _fidelity_run(tmp_path / "whole", monkeypatch, *both) == labels + labels
+    whole = _fidelity_rows(tmp_path / "whole" / "run")
+    nonshared = whole[48]["nonshared"]["final_answers"]
+    assert whole[48][HEAD_POINT]["final_agreement"] == sum(
+        a == b for a, b in zip(whole[48][HEAD_POINT]["final_answers"], nonshared, strict=True)
+    ) / len(nonshared)
+
+    stopped = tmp_path / "stopped"
+    run = stopped / "run"
+    assert _fidelity_run(stopped, monkeypatch, "--sizes", "64", stop_after=2) == labels[:2]
+    assert list(_fidelity_rows(run)[64]) == labels[:2]
+    # resumed over both sizes and stopped again within the first: the second size's finished
+    # points stay in every save
+    assert _fidelity_run(stopped, monkeypatch, *both, "--resume", stop_after=1) == labels[:1]
+    assert {s: list(rows) for s, rows in _fidelity_rows(run).items()} == {
+        48: labels[:1], 64: labels[:2]
+    }
+    # finished points are taken, not run again; the figures are the whole run's, agreement
+    # included (against NonShared's answers kept from the earlier run)
+    assert _fidelity_run(stopped, monkeypatch, *both, "--resume") == labels[1:] + labels[2:]
+    assert _fidelity_rows(run) == whole
+    setup = json.loads((run / "results.json").read_text())["setup"]
+    assert setup["resumed_points"] == {"48": ["nonshared"], "64": sorted(labels[:2])}
+
+
+@pytest.mark.parametrize(
+    "argv, edit, message",
+    [
+        (("--output-tokens", "4"), None, "another workload .*output_tokens"),
+        ((), lambda row: row.update(timing={}), "holds timing figures"),
+        ((), lambda row: row["fidelity"]["params"].update(tau=0.9), "ran with"),
+        ((), lambda row: row["fidelity"].pop("final_answers"), "kept no final answers"),
+    ],
+)
+def test_resume_refuses_what_it_would_not_reproduce_and_keeps_the_file(
+    tmp_path, monkeypatch, argv, edit, message
+):
+    _fidelity_run(tmp_path, monkeypatch, stop_after=2)
+    path = tmp_path / "run" / "results.json"
+    if edit is not None:
+        results = json.loads(path.read_text())
+        edit(results["sizes"][0]["points"][1])  # the KVCMAS point
+        path.write_text(json.dumps(results))
+    saved = path.read_text()
+    with pytest.raises(UsageError, match=message):
+        _fidelity_run(tmp_path, monkeypatch, "--resume", *argv)
+    assert path.read_text() == saved
+
+
+def test_resume_refuses_to_drop_a_point_or_take_another_floor(tmp_path, monkeypatch):
+    _fidelity_run(tmp_path, monkeypatch)
+    path = tmp_path / "run" / "results.json"
+    saved = path.read_text()
+    with pytest.raises(UsageError, match=r"kvcmas\(tau=1.0,repair_head=4\), which this run"):
+        _fidelity_run(tmp_path, monkeypatch, "--resume", points=RESUME_POINTS[2:])
+    with pytest.raises(UsageError, match="nonshared-bf16, which this run"):
+        _fidelity_run(tmp_path, monkeypatch, "--resume", "--no-noise-floor")
+    with pytest.raises(UsageError, match="match --floor-gemm"):
+        _fidelity_run(tmp_path, monkeypatch, "--resume", "--floor-gemm", "fp32")
+    assert path.read_text() == saved
+    # a point added is no conflict: it alone runs
+    assert _fidelity_run(tmp_path, monkeypatch, "--resume", "--methods", "kvcomm") == ["kvcomm"]
+    # nothing to resume yet: the whole pass runs
+    assert len(_fidelity_run(tmp_path / "fresh", monkeypatch, "--resume")) == 4
+
+
+def test_resume_is_for_a_fidelity_pass_only():
+    for argv in (("--resume",), ("--resume", "--no-timing", "--merge", "a")):
+        with pytest.raises(UsageError, match="--resume goes on with a fidelity pass"):
+            check_args(parse(*argv))

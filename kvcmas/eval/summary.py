@@ -129,10 +129,15 @@ def fidelity_summary(results: list[RequestResult], n_layers: int) -> dict[str, A
 
 def agreement(results: list[RequestResult], reference: list[RequestResult]) -> float | None:
     """Share of requests whose final answer equals the reference run's (paired by order)."""
-    if not results:
+    return answer_agreement([r.final_answer for r in results], [r.final_answer for r in reference])
+
+
+def answer_agreement(answers: list[str], reference: list[str]) -> float | None:
+    """Share of final answers equal to the reference run's (paired by order), from the
+    answers alone (a resumed run keeps its reference's answers, not its requests)."""
+    if not answers:
         return None
-    pairs = zip(results, reference, strict=True)
-    return mean(float(a.final_answer == b.final_answer) for a, b in pairs)
+    return mean(float(a == b) for a, b in zip(answers, reference, strict=True))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -132,9 +133,14 @@ def fmt_value(v: Any) -> str:
 
 
 def write_results(out: Path, results: dict[str, Any], table: str) -> None:
+    """The JSON and table, each replaced whole: a run killed while saving (the partial saves
+    of a long run) leaves the previous version, not a truncated file."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "table.md").write_text(table)
+    for name, text in (("results.json", json.dumps(results, indent=1, default=str)),
+                       ("table.md", table)):  # fmt: skip
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
 
 
 def read_results(folder: str | Path) -> tuple[Path, dict[str, Any]]:

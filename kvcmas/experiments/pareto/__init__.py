@@ -9,7 +9,8 @@ TTFT speedup on hops 2+, end-to-end speedup, compute). Each method's frontier (p
 point of the same method beats on both axes) is drawn per size, with a JSON and a table.
 
 Pieces: :mod:`.plan` (knob points, flags), :mod:`.runs` (the two passes), :mod:`.report`
-(frontiers, table, plots), :mod:`.merge` (parts run separately, as one report).
+(frontiers, table, plots), :mod:`.merge` (parts run separately, as one report), :mod:`.resume`
+(a fidelity pass stopped early, continued).
 """
 
 from __future__ import annotations

@@ -146,6 +146,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="timing pass only: --merge joins it with a --no-timing part of the same points",
     )  # fmt: skip
     p.add_argument("--no-noise-floor", action="store_true", help="skip the NonShared-bf16 point")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="with --no-timing: keep the points --out's earlier run finished (a run stopped "
+        "early saves each), run the rest",
+    )  # fmt: skip
     add_floor_gemm_arg(p)
     p.add_argument(
         "--rerender", action="store_true",
@@ -176,6 +181,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--timing-from re-times a --merge: give the parts with --merge")
     if args.no_timing and args.no_fidelity:
         raise UsageError("--no-timing and --no-fidelity together leave nothing to run")
+    if args.resume and (not args.no_timing or args.merge or args.rerender):
+        raise UsageError(
+            "--resume goes on with a fidelity pass: give --no-timing (a timing pass runs whole,"
+            " its rounds interleaved), not --merge or --rerender"
+        )
     if not 2 <= args.agents <= len(ROLES):
         raise UsageError(f"--agents must be in 2..{len(ROLES)}")
     try:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvcmas.eval.fidelity import MEMO_BYTES, FidelityObserver
-from kvcmas.eval.summary import add_ratios, agreement, fidelity_summary, run_summary
+from kvcmas.eval.summary import add_ratios, answer_agreement, fidelity_summary, run_summary
 from kvcmas.experiments import common
 from kvcmas.experiments.compare import fmt
 from kvcmas.experiments.context_sweep.documents import documents, source_texts
@@ -27,7 +28,9 @@ from kvcmas.experiments.context_sweep.plan import (
     trace_workflow,
 )
 from kvcmas.experiments.context_sweep.runs import point_requests
+from kvcmas.experiments.machine import machine_description
 from kvcmas.experiments.pareto.plan import NOISE_FLOOR, Point, plan_points
+from kvcmas.experiments.pareto.resume import finished_points
 from kvcmas.methods import make_method
 from kvcmas.model.loader import LoadedModel, load_model
 from kvcmas.workflow.runner import RequestResult, Runner
@@ -64,31 +67,41 @@ def run_point(
 
 def fidelity_pass(
     reference: LoadedModel, bf16: LoadedModel | None, workflow, points, docs, warmup, log,
-    on_point: Callable[[dict], None] = lambda _: None,
+    on_point: Callable[[dict], None] = lambda _: None, done: dict[str, dict] | None = None,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per point label: fidelity and reuse figures against fp32 NonShared, handed to
     ``on_point`` after each point. One observer watches every point, so each distinct hop's
-    dense reference is computed once."""
+    dense reference is computed once. ``done``: points an earlier run finished (``--resume``),
+    taken as they are instead of run again."""
     n_layers = reference.config.n_layers
     observer = FidelityObserver(reference, memo_bytes=MEMO_BYTES)
     out: dict[str, dict[str, Any]] = {}
-    baseline: list[RequestResult] = []
+    baseline: list[str] = []  # fp32 NonShared's final answers
     runs = [(p, reference) for p in points]
     if bf16 is not None:
         runs.append((Point("nonshared", dtype="bf16"), bf16))
     for point, loaded in runs:
-        results, method = run_point(loaded, workflow, point, docs, warmup, observer, log)
+        if point.label in (done or {}):
+            s = done[point.label]
+            log(f"  fidelity {point.label}: taken from the earlier run")
+        else:
+            start = time.perf_counter()
+            results, method = run_point(loaded, workflow, point, docs, warmup, observer, log)
+            s = {**run_summary(results), **fidelity_summary(results, n_layers)}
+            s["final_answers"] = [r.final_answer for r in results]  # what a resume compares
+            s["params"] = method.params()
+            s["wall_s"] = round(time.perf_counter() - start, 1)
+            s["machine"] = machine_description()  # a resumed run's points: two hosts maybe
+            s.update(loaded.gemm_facts())
         if point.method == "nonshared" and point.dtype == "fp32":
-            baseline = results
-        s = {**run_summary(results), **fidelity_summary(results, n_layers)}
-        s["final_agreement"] = agreement(results, baseline) if baseline else None
-        s["params"] = method.params()
-        s.update(loaded.gemm_facts())
+            baseline = s["final_answers"]
+        s["final_agreement"] = answer_agreement(s["final_answers"], baseline) if baseline else None
         out[point.label] = s
         log(
             f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
             f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')};"
             f" references computed {observer.memo.misses}, reused {observer.memo.hits}"
+            f" ({s['wall_s']:.0f}s)"
         )
         on_point(out)
     return out
@@ -166,26 +179,38 @@ def pareto(
             f"timing {'none' if args.no_timing else args.dtype}",
             **trace_fields(args, sizes),
             split=args.split,
+            device=args.device,
             # runs before the interleaved timing pass lack this field: theirs was sequential
             **({} if args.no_timing else {"timing_order": "interleaved"}),
         ),
         "capped": {str(k): v for k, v in capped.items()},
         "sizes": [],
     }
-    for size, docs in all_docs.items():
+    finished: dict[int, dict[str, dict]] = {}  # per size: points an earlier run finished
+    if args.resume:
+        floor_gemm = bf16.gemm_facts().get("gemm_dtype") if bf16 is not None else None
+        finished = finished_points(
+            Path(args.out), results["setup"], points, n_layers, floor, floor_gemm
+        )
+        taken = {str(size): sorted(rows) for size, rows in finished.items() if rows}
+        log(f"resuming {args.out}: " + (f"points taken {taken}" if taken else "nothing to take"))
+        if taken:
+            results["setup"]["resumed_points"] = taken
+    for i, (size, docs) in enumerate(all_docs.items()):
 
-        def partial(fid: dict, tim: dict, size: int = size) -> None:
-            done = [p for p in points if p.label in fid or p.label in tim]
-            rows = merge_points(done, fid, tim, floor and NOISE_FLOOR in fid)
-            sizes_so_far = [*results["sizes"], {"size": size, "points": rows}]
-            on_update({**results, "sizes": sizes_so_far, "partial": True})
+        def partial(fid: dict, tim: dict, size: int = size, i: int = i) -> None:
+            now = {"size": size, "points": rows_so_far(points, fid, tim, floor)}
+            # sizes not reached yet keep what an earlier run finished there (--resume)
+            later = [{"size": s, "points": rows_so_far(points, finished[s], {}, floor)}
+                     for s in sizes[i + 1 :] if finished.get(s)]  # fmt: skip
+            on_update({**results, "sizes": [*results["sizes"], now, *later], "partial": True})
 
         fid = {}
         if not args.no_fidelity:
             log(f"size {size}: fidelity pass (fp32), {len(points)} points")
             fid = fidelity_pass(
                 reference, bf16, workflow, points, docs, args.warmup, log,
-                on_point=lambda f: partial(f, {}),
+                on_point=lambda f: partial(f, {}), done=finished.get(size),
             )  # fmt: skip
         tim = {}
         if timed is not None:
@@ -196,6 +221,12 @@ def pareto(
             )  # fmt: skip
         results["sizes"].append({"size": size, "points": merge_points(points, fid, tim, floor)})
     return results
+
+
+def rows_so_far(points: list[Point], fid: dict, tim: dict, floor: bool) -> list[dict[str, Any]]:
+    """The rows of the points either pass has finished (a partial run's)."""
+    ran = [p for p in points if p.label in fid or p.label in tim]
+    return merge_points(ran, fid, tim, floor and NOISE_FLOOR in fid)
 
 
 def merge_points(points: list[Point], fid: dict, tim: dict, floor: bool) -> list[dict[str, Any]]:
