@@ -640,3 +640,29 @@ def test_resume_is_for_a_fidelity_pass_only():
     for argv in (("--resume",), ("--resume", "--no-timing", "--merge", "a")):
         with pytest.raises(UsageError, match="--resume goes on with a fidelity pass"):
             check_args(parse(*argv))
+
+
+def test_the_fidelity_observer_watches_measured_requests_only(monkeypatch):
+    from kvcmas.eval.fidelity import FidelityObserver
+    from kvcmas.experiments.context_sweep.plan import trace_workflow
+    from kvcmas.experiments.pareto import runs
+    from tests.conftest import tiny_loaded
+
+    loaded, _ = tiny_loaded()
+    workflow = trace_workflow(2, 3)
+    docs = [f"Report {i}. " + "Sales rose in the north and fell in the south. " * 3
+            for i in range(3)]  # fmt: skip
+    point = Point("kvcmas", {"tau": 1.0, "repair_head": 4})  # keeps state: two warm-ups
+    plain, _ = runs.run_point(loaded, workflow, point, docs, 2, None, lambda _: None)
+    seen, call = [], FidelityObserver.__call__
+    monkeypatch.setattr(
+        FidelityObserver, "__call__", lambda self, view: seen.append(view) or call(self, view)
+    )
+    observer = FidelityObserver(loaded)
+    watched, _ = runs.run_point(loaded, workflow, point, docs, 2, observer, lambda _: None)
+    assert len(seen) == 2  # the measured request's two hops, not the warm-ups' four
+    assert all(h.fidelity is not None for r in watched for h in r.hops)
+    # watching changes nothing the method does: the same outputs and reuse as unwatched
+    assert [[(h.output_ids, h.reuse) for h in r.hops] for r in watched] == [
+        [(h.output_ids, h.reuse) for h in r.hops] for r in plain
+    ]

@@ -39,13 +39,11 @@ from kvcmas.workflow.spec import Workflow
 Log = Callable[[str], None]
 
 
-def point_runner(
-    loaded: LoadedModel, workflow: Workflow, point: Point, observer: FidelityObserver | None
-) -> tuple[Runner, Any]:
-    """A runner of ``point``'s method, measured by ``observer`` if given. Every agent output
-    has exactly its budget (end-of-turn ignored)."""
+def point_runner(loaded: LoadedModel, workflow: Workflow, point: Point) -> tuple[Runner, Any]:
+    """A runner of ``point``'s method (no observer yet). Every agent output has exactly its
+    budget (end-of-turn ignored)."""
     method = make_method(point.method, point.options)
-    runner = Runner(loaded, workflow, method, observer=observer)
+    runner = Runner(loaded, workflow, method)
     runner.stop = set()  # as common.trace_runner(ignore_eos=True)
     return runner, method
 
@@ -59,10 +57,15 @@ def run_point(
     observer: FidelityObserver | None,
     log: Log,
 ) -> tuple[list[RequestResult], Any]:
-    """One point over the measured documents (after its warm-ups)."""
-    runner, method = point_runner(loaded, workflow, point, observer)
+    """One point over the measured documents (after its warm-ups, which ``observer`` does not
+    watch: they only build the method's state, and their dense references, a prefill and a
+    full decode each hop, would be computed for nothing)."""
+    runner, method = point_runner(loaded, workflow, point)
     requests, n_warm = point_requests(method, docs, warmup)
-    return common.run_stream(runner, requests, log, point.label)[n_warm:], method
+    if n_warm:
+        common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
+    runner.observer = observer
+    return common.run_stream(runner, requests[n_warm:], log, point.label), method
 
 
 def fidelity_pass(
@@ -121,7 +124,7 @@ def timing_pass(
     as when run alone."""
     runs = []
     for point in points:
-        runner, method = point_runner(loaded, workflow, point, None)
+        runner, method = point_runner(loaded, workflow, point)
         requests, n_warm = point_requests(method, docs, warmup)
         if n_warm:
             common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
