@@ -39,13 +39,20 @@ from kvcmas.workflow.spec import Workflow
 Log = Callable[[str], None]
 
 
-def point_runner(loaded: LoadedModel, workflow: Workflow, point: Point) -> tuple[Runner, Any]:
-    """A runner of ``point``'s method (no observer yet). Every agent output has exactly its
-    budget (end-of-turn ignored)."""
+def warmed_runner(
+    loaded: LoadedModel, workflow: Workflow, point: Point, docs: list[str], warmup: int, log: Log
+) -> tuple[Runner, Any, list[dict]]:
+    """A runner of ``point``'s method after its warm-ups (if it keeps state), the method and
+    the measured requests left to run. Every agent output has exactly its budget (end-of-turn
+    ignored). No observer: warm-ups only build the method's state, and their dense
+    references (a prefill and a full decode each hop) would be computed for nothing."""
     method = make_method(point.method, point.options)
     runner = Runner(loaded, workflow, method)
     runner.stop = set()  # as common.trace_runner(ignore_eos=True)
-    return runner, method
+    requests, n_warm = point_requests(method, docs, warmup)
+    if n_warm:
+        common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
+    return runner, method, requests[n_warm:]
 
 
 def run_point(
@@ -57,15 +64,10 @@ def run_point(
     observer: FidelityObserver | None,
     log: Log,
 ) -> tuple[list[RequestResult], Any]:
-    """One point over the measured documents (after its warm-ups, which ``observer`` does not
-    watch: they only build the method's state, and their dense references, a prefill and a
-    full decode each hop, would be computed for nothing)."""
-    runner, method = point_runner(loaded, workflow, point)
-    requests, n_warm = point_requests(method, docs, warmup)
-    if n_warm:
-        common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
+    """One point over the measured documents, watched by ``observer`` (after its warm-ups)."""
+    runner, method, measured = warmed_runner(loaded, workflow, point, docs, warmup, log)
     runner.observer = observer
-    return common.run_stream(runner, requests[n_warm:], log, point.label), method
+    return common.run_stream(runner, measured, log, point.label), method
 
 
 def fidelity_pass(
@@ -124,11 +126,8 @@ def timing_pass(
     as when run alone."""
     runs = []
     for point in points:
-        runner, method = point_runner(loaded, workflow, point)
-        requests, n_warm = point_requests(method, docs, warmup)
-        if n_warm:
-            common.run_stream(runner, requests[:n_warm], log, f"{point.label} warm-up")
-        runs.append((point, runner, method, requests[n_warm:], []))
+        runner, method, measured = warmed_runner(loaded, workflow, point, docs, warmup, log)
+        runs.append((point, runner, method, measured, []))
     out: dict[str, Any] = {}
     start = time.perf_counter()
     n_rounds = len(docs) - warmup
