@@ -86,9 +86,9 @@ def fidelity_pass(
     if bf16 is not None:
         runs.append((Point("nonshared", dtype="bf16"), bf16))
     for point, loaded in runs:
-        if point.label in (done or {}):
+        taken = point.label in (done or {})
+        if taken:
             s = done[point.label]
-            log(f"  fidelity {point.label}: taken from the earlier run")
         else:
             start = time.perf_counter()
             results, method = run_point(loaded, workflow, point, docs, warmup, observer, log)
@@ -106,7 +106,7 @@ def fidelity_pass(
             f"  fidelity {point.label}: KL first 2+ {fmt(s['first_token_kl_later_mean'], '.5f')},"
             f" agree {fmt(s['final_agreement'], '.2f')}, rho 2+ {fmt(s['rho_later'], '.2f')};"
             f" references computed {observer.memo.misses}, reused {observer.memo.hits}"
-            f" ({s['wall_s']:.0f}s)"
+            + (" (taken from the earlier run)" if taken else f" ({s['wall_s']:.0f}s)")
         )
         on_point(out)
     return out
