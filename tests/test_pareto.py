@@ -463,11 +463,10 @@ def test_the_timing_pass_interleaves_points_each_with_the_request_sequence_it_ha
     assert out["nonshared"]["ttft_later_ratio"] == 1.0
 
 
-def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
+def _tiny_with_wide_floor():
+    """The tiny model in fp32 and its noise-floor twin: bf16 weights, fp32 matrix products."""
     import torch
 
-    from kvcmas.experiments.context_sweep.plan import trace_workflow
-    from kvcmas.experiments.pareto import runs
     from kvcmas.model.config import ModelConfig
     from kvcmas.model.loader import LoadedModel
     from kvcmas.model.transformer import Transformer
@@ -478,7 +477,14 @@ def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
     wide = Transformer.from_state_dict(
         config, hf.state_dict(), torch.bfloat16, gemm_dtype=torch.float32
     )
-    floor = LoadedModel("tiny", wide, loaded.tokenizer, loaded.folder)
+    return loaded, LoadedModel("tiny", wide, loaded.tokenizer, loaded.folder)
+
+
+def test_a_noise_floor_with_fp32_gemms_is_recorded_and_stated():
+    from kvcmas.experiments.context_sweep.plan import trace_workflow
+    from kvcmas.experiments.pareto import runs
+
+    loaded, floor = _tiny_with_wide_floor()
     docs = ["Sales rose in the north and fell in the south. " * 3]
     fid = runs.fidelity_pass(
         loaded, floor, trace_workflow(2, 3), [Point("nonshared")], docs, 0, lambda _: None
@@ -510,21 +516,11 @@ def _fidelity_run(tmp_path, monkeypatch, *argv, points=RESUME_POINTS, stop_after
     """``kvcmas bench pareto --no-timing`` of NonShared and ``points`` (and the noise floor)
     on the tiny model into ``tmp_path/run``: the labels it ran; ``stop_after``: the number of
     points it runs before it is stopped (an error, as a killed run)."""
-    import torch
 
     from kvcmas.experiments import pareto
     from kvcmas.experiments.pareto import runs
-    from kvcmas.model.config import ModelConfig
-    from kvcmas.model.loader import LoadedModel
-    from kvcmas.model.transformer import Transformer
-    from tests.conftest import tiny_loaded
 
-    loaded, hf = tiny_loaded()
-    config = ModelConfig.from_hf(hf.config.to_dict())
-    wide = Transformer.from_state_dict(
-        config, hf.state_dict(), torch.bfloat16, gemm_dtype=torch.float32
-    )
-    floor = LoadedModel("tiny", wide, loaded.tokenizer, loaded.folder)
+    loaded, floor = _tiny_with_wide_floor()
 
     def load(spec, dtype="fp32", device="cpu", gemm_dtype=None):  # the floor: fp32 unless wide
         return floor if gemm_dtype == "fp32" else loaded
