@@ -591,6 +591,16 @@ def test_a_resumed_fidelity_pass_runs_only_what_is_left_and_matches_a_whole_run(
     assert setup["resumed_points"] == {"48": ["nonshared"], "64": sorted(labels[:2])}
 
 
+def test_a_resumed_pass_stopped_before_its_taken_points_keeps_them(tmp_path, monkeypatch):
+    # the first run finished NonShared, the head point and the floor; the resumed one plans
+    # the KVCMAS point between them and is stopped there, before it reaches the taken ones
+    _fidelity_run(tmp_path, monkeypatch, points=RESUME_POINTS[2:])
+    first = _fidelity_rows(tmp_path / "run")
+    assert list(first[48]) == ["nonshared", HEAD_POINT, NOISE_FLOOR]
+    assert _fidelity_run(tmp_path, monkeypatch, "--resume", stop_after=0) == []
+    assert _fidelity_rows(tmp_path / "run") == first
+
+
 @pytest.mark.parametrize(
     "argv, edit, message",
     [

@@ -201,8 +201,10 @@ def pareto(
     for i, (size, docs) in enumerate(all_docs.items()):
 
         def partial(fid: dict, tim: dict, size: int = size, i: int = i) -> None:
+            # points an earlier run finished (--resume) stay in every save, those this pass
+            # has not reached yet (later in the plan, or at a later size) included
+            fid = {**finished.get(size, {}), **fid}
             now = {"size": size, "points": rows_so_far(points, fid, tim, floor)}
-            # sizes not reached yet keep what an earlier run finished there (--resume)
             later = [{"size": s, "points": rows_so_far(points, finished[s], {}, floor)}
                      for s in sizes[i + 1 :] if finished.get(s)]  # fmt: skip
             on_update({**results, "sizes": [*results["sizes"], now, *later], "partial": True})
