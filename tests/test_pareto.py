@@ -516,7 +516,6 @@ def _fidelity_run(tmp_path, monkeypatch, *argv, points=RESUME_POINTS, stop_after
     """``kvcmas bench pareto --no-timing`` of NonShared and ``points`` (and the noise floor)
     on the tiny model into ``tmp_path/run``: the labels it ran; ``stop_after``: the number of
     points it runs before it is stopped (an error, as a killed run)."""
-
     from kvcmas.experiments import pareto
     from kvcmas.experiments.pareto import runs
 
