@@ -151,6 +151,13 @@ def test_a_timing_only_run_draws_no_empty_plot(tmp_path):
     add_frontiers(results)
     plot(results, tmp_path)
     assert (tmp_path / "pareto_64.png").is_file()
+    # a point timed but without fidelity beside one with (what --timing-from adds) is left off
+    results["sizes"][0]["points"].append({**results["sizes"][0]["points"][0], "label": "k2",
+                                          "first_token_kl": None})  # fmt: skip
+    add_frontiers(results)
+    (tmp_path / "pareto_64.png").unlink()
+    plot(results, tmp_path)
+    assert (tmp_path / "pareto_64.png").is_file()
     for r in results["sizes"][0]["points"]:
         r["first_token_kl"] = None  # what --no-fidelity records
     add_frontiers(results)

@@ -238,7 +238,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
             drawn = False
             for method, labels in frontiers(rows, axis).items():
                 mine = [r for r in rows if r["method"] == method]
-                pts = [(r[axis], max(r[DISTANCE], 1e-8)) for r in mine if r[axis] is not None]
+                # a point timed but not measured for fidelity (a --timing-from row) has no KL
+                pts = [(r[axis], max(r[DISTANCE], 1e-8)) for r in _placed(mine, axis)]
                 line = [next(r for r in mine if r["label"] == lb) for lb in labels]
                 xy = [(r[axis], max(r[DISTANCE], 1e-8)) for r in line]
                 c = colour[method]
