@@ -292,3 +292,48 @@ def test_background_thread_reports_a_failed_job():
         work.flush()
     with pytest.raises(ValueError, match="background mode"):
         BackgroundWork("later")
+
+
+def test_an_anchor_learned_from_the_engine_equals_a_dense_fallbacks(tiny_pair):
+    """The serving connector leaves an unlearned span to vLLM and teaches the pool from vLLM's
+    KV of it: the anchor must be the one a dense fallback of the same hop records."""
+    from kvcmas.kv.segment import SegmentKV
+
+    _, model = tiny_pair
+    q = torch.randint(30, 128, (12,)).tolist()
+    options = dict(tau=2.0, min_anchors=1, rank=0, base_rank=0)
+    built = make_method("kvcmas", **options)
+    _, b = two_agents(built, model, q)  # empty pool: B prefills the query, records an anchor
+    assert record(b).decision == "dense"
+    taught = make_method("kvcmas", **options)
+    shared = shared_query(q)
+    run_hop(taught, model, "a", PREFIX_A, ["query", TAIL], shared, "s0", 0)
+    rec = record(b)
+    engine_kv = SegmentKV.from_cache(b.cache, rec.start, rec.start + rec.length, model.inv_freq)
+    assert taught.predicted_recompute("query", "b", len(q)) == len(q)  # no anchor: dense
+    taught.learn_from_engine("query", "b", shared["query"].latest, engine_kv)
+    assert taught.predicted_recompute("query", "b", len(q)) == 0  # its queued anchor counts
+    taught.flush()
+    [x], [y] = built.pools[("query", "b")].anchors, taught.pools[("query", "b")].anchors
+    for part in ("base_k", "base_v", "delta_k", "delta_v"):
+        assert torch.equal(getattr(x, part).a, getattr(y, part).a), part
+    # The non-chained variant (KVCOMM's base) has no such source: it learns nothing.
+    nochain = make_method("kvcmas", chain=False, **options)
+    assert not nochain.learns_from_engine
+    nochain.learn_from_engine("query", "b", shared["query"].latest, engine_kv)
+    assert nochain.pools == {} and not make_method("kvcomm").learns_from_engine
+
+
+def test_tau_one_reuses_even_a_uniform_match(tiny_pair):
+    """Two anchors recorded from the same content are equally distant from any source: the
+    normalized entropy is 1 (up to rounding), which tau 1 ("reuse whenever the pool has
+    anchors") must not send dense."""
+    _, model = tiny_pair
+    q = torch.randint(30, 128, (10,)).tolist()
+    warm = make_method("kvcmas", tau=0.0, min_anchors=2)  # tau 0: every hop records
+    for i in range(2):
+        two_agents(warm, model, q, i)
+    method = copy.deepcopy(warm)
+    method.tau = 1.0
+    _, b = two_agents(method, model, torch.randint(30, 128, (10,)).tolist(), 5)
+    assert record(b).entropy > 0.999 and record(b).decision == "reuse"

@@ -144,6 +144,26 @@ class Method(ABC):
         engine's other work instead of run in the connector."""
         return length > 0 and self.recomputed_tokens(length) >= length
 
+    def predicted_recompute(self, slot: str, agent: str, length: int) -> int:
+        """Tokens of a span of ``slot`` read by ``agent`` that this method's next build of it
+        is expected to recompute: its rule (``recomputed_tokens``), or more where its state
+        says so (a gate with no anchors yet prefills densely). The serving connector's cost
+        rule reads it."""
+        return min(length, self.recomputed_tokens(length))
+
+    @property
+    def learns_from_engine(self) -> bool:
+        """Whether ``learn_from_engine`` learns: then a span of an edge the method has not
+        learned yet is better left to the engine (which teaches it) than built cold."""
+        return False
+
+    def learn_from_engine(self, slot: str, agent: str, source: SegmentKV, dense: SegmentKV):
+        """A span of ``slot`` the engine computed densely in ``agent``'s prompt (``dense``,
+        canonical frame) while the method would have reused ``source`` (the span's latest
+        earlier cache): what a dense fallback of the method learns from, at no cost to the
+        critical path. Methods that learn nothing ignore it."""
+        return
+
     def flush(self) -> float:
         """Finish deferred background work (anchor construction); seconds it took here.
         Runs are deterministic after a flush: tests and replays call it between requests."""

@@ -59,7 +59,8 @@ class KVCMASConfig(MethodConfig):
     rank: int | None = option(32, "delta rank r (0 or none = full width)")
     base_rank: int | None = option(32, "base rank (0 or none = full width)")
     temperature: float = option(DEFAULT_TEMPERATURE, "matching softmax temperature T")
-    tau: float = option(DEFAULT_TAU, "gate: reuse when normalized entropy < tau")
+    tau: float = option(DEFAULT_TAU, "gate: reuse when normalized entropy < tau (tau >= 1: "
+                        "always, once the pool has min_anchors)")
     min_anchors: int = option(2, "gate: anchors needed before any reuse")
     chain: bool = option(True, "source = the latest hop's cache (false: reference prefill)")
     eviction: str = option("least-used", "pool eviction: least-used or kvcomm")
@@ -247,7 +248,9 @@ class KVCMAS(Method):
         if self.tau > 0 and len(pool.eligible(len(seg))) >= self.min_anchors:  # tau 0: never
             m = c.repair_head if c.match_head_first else None  # < len(seg), or dense above
             match = pool.match(xk[:, :m], xv[:, :m])
-        if match is not None and match.entropy < self.tau:
+        # The normalized entropy is at most 1: tau >= 1 reuses whatever it is (a uniform
+        # match over equally distant anchors reaches 1.0 exactly, and must not fall back).
+        if match is not None and (match.entropy < self.tau or self.tau >= 1.0):
             pool.count_uses(match)
             if c.check_on_head:
                 return self._reuse_checked(
@@ -353,8 +356,38 @@ class KVCMAS(Method):
             seg.slot, shared.kind, start, n, decision, h * n_layers, n - h, match.entropy, details
         )
 
+    def predicted_recompute(self, slot: str, agent: str, length: int) -> int:
+        """Dense until the (slot, agent) pool holds ``min_anchors`` anchors (counting those
+        queued), then the head rule; tau 0 never reuses."""
+        if self.recomputes_whole(length):
+            return length
+        key = (slot, agent)
+        pool = self.pools.get(key)
+        anchors = len(pool.eligible(length)) if pool is not None else 0
+        queued = self.background.pending(key) + sum(1 for p in self._pending if p[0] == key)
+        if self.tau == 0 or anchors + queued < self.min_anchors:
+            return length
+        return super().predicted_recompute(slot, agent, length)
+
+    @property
+    def learns_from_engine(self) -> bool:
+        # Only the chained variant: the non-chained source is a reference prefill nobody made.
+        return self.chain and self.tau > 0
+
+    def learn_from_engine(self, slot: str, agent: str, source: SegmentKV, dense: SegmentKV):
+        """Record an anchor from a span the engine prefilled: the same (source, dense) pair a
+        dense fallback records, with vLLM's batched forward having done the prefill."""
+        if not self.learns_from_engine or self.recomputes_whole(dense.k.shape[2]):
+            return
+        xk, xv = as_matrices(source.k[1:]), as_matrices(source.v[1:])
+        self._pending.append(((slot, agent), xk, xv, dense))
+        self._queue_anchors()
+
     def after_hop(self, hop, build) -> None:
         """Queue the anchors of this hop's dense fallbacks: factorized off the critical path."""
+        self._queue_anchors()
+
+    def _queue_anchors(self) -> None:
         for key, xk, xv, dense in self._pending:
             pool = self.pool(*key)
             yk, yv = as_matrices(dense.k[1:]), as_matrices(dense.v[1:])
