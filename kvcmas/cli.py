@@ -149,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_model_len=args.max_model_len, min_span=args.min_span,
                 max_namespaces=args.max_namespaces, session_state_bytes=args.session_state_bytes,
                 min_gain=args.min_gain)
-    from kvcmas.serve.span_store import GRAM
+    from kvcmas.serve.span_index import GRAM
 
     if args.min_span is not None and args.min_span < GRAM:
         raise UsageError(f"--min-span must be at least {GRAM} (the span index's token window)")
@@ -276,8 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
     add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
-    s.add_argument("--method", required=True, help="how the connector builds shared spans: "
-                   "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute")
+    s.add_argument("--method", default="kvcmas", help="how the connector builds shared spans: "
+                   "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute (default "
+                   "kvcmas, at its serving defaults, with the spans to build chosen from "
+                   "costs measured on this server)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000,
                    help="0 picks a free port (with --instances: the router's)")
@@ -293,10 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shortest shared span the connector reuses, and shortest exact run "
                         "it copies alone, in tokens (default 32)")
     s.add_argument("--min-gain", type=float, default=None,
-                   help="build a shared span only if it serves at least this many tokens per "
-                        "token the method recomputes of it (its repair head); shorter spans "
-                        f"are left to vLLM's forward (default {DEFAULT_MIN_GAIN:g}, measured "
-                        "on a 2-core CPU: see RESULTS.md; 0 builds every span)")
+                   help="pin a fixed cost rule: build a shared span only if it serves at least "
+                        "this many tokens per token the method recomputes of it (its repair "
+                        "head; 0 builds every span). Default: no fixed rule; each claim is "
+                        "chosen from the engine's and the connector's costs measured on this "
+                        f"server (the fixed rule's old default was {DEFAULT_MIN_GAIN:g})")
     s.add_argument("--sync-saves", action="store_true",
                    help="copy each finished request's KV into the span store inside the engine "
                         "step (default: on a background thread while the engine runs on)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcmas.serve.claims import SpanRule, plan_claim
-from kvcmas.serve.span_store import SpanIndex
+from kvcmas.serve.span_index import SpanIndex
 
 
 def fresh(start: int, n: int) -> list[int]:

@@ -68,7 +68,9 @@ def test_langgraph_roster_reuses_spans_through_kvcmas_serve(tmp_path):
 
     proc, port, _ = start_serve(tmp_path, "server.log", [
         "--method", "fullshared", "--max-model-len", "2048", "--kv-cache-bytes", str(512 << 20),
-        "--min-span", str(MIN_SPAN)])  # fmt: skip
+        # Every span built (pinned rule): on prompts this short the measured costs may leave
+        # them to vLLM, and the test checks what the connector builds.
+        "--min-span", str(MIN_SPAN), "--min-gain", "0"])  # fmt: skip
     tree: set[int] = set()
     try:
         tree = descendants(proc.pid)

@@ -15,7 +15,8 @@ from kvcmas.chat import Segment
 from kvcmas.methods import METHODS, make_method
 from kvcmas.methods.base import Hop, HopBuild, SharedSegment
 from kvcmas.serve.paged_layout import read_span, write_span
-from kvcmas.serve.range_builder import RangePlan, SourceRef, SpanPiece, build_range, read_context
+from kvcmas.serve.plans import RangePlan, SourceRef, SpanPiece
+from kvcmas.serve.range_builder import build_range, read_context
 from kvcmas.serve.span_store import SpanStore
 from tests.test_baselines import OTHER_PREFIX, PREFIX, SHARED, TAIL, ids, source_kv
 

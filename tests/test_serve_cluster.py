@@ -236,7 +236,9 @@ def test_two_instances_behind_the_router_keep_sessions_where_their_spans_are(tmp
 
     proc, port, log = start_serve(tmp_path, "cluster.log", [
         "--instances", "2", "--method", "fullshared", "--max-model-len", "1024",
-        "--kv-cache-bytes", str(256 << 20), "--min-span", "16"])  # fmt: skip
+        # Every span built (pinned rule): on prompts this short the measured costs may leave
+        # them to vLLM, and the test checks where the claims are made.
+        "--kv-cache-bytes", str(256 << 20), "--min-span", "16", "--min-gain", "0"])  # fmt: skip
     tree: set[int] = set()
     try:
         # Printed right after it (and maybe already buffered: no select on the pipe here).

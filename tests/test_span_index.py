@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcmas.serve import span_store
-from kvcmas.serve.span_store import Occurrence, PrefixMatch, SpanIndex, SpanMatch
+from kvcmas.serve import span_index
+from kvcmas.serve.span_index import Occurrence, PrefixMatch, SpanIndex, SpanMatch
 
 GRAM = 4
 
@@ -179,7 +179,7 @@ def brute_force(entries, prompt, begin, end, min_span):
 @pytest.mark.parametrize("colliding", [False, True])
 def test_find_spans_matches_the_specification_even_when_every_hash_collides(monkeypatch, colliding):
     if colliding:  # every window hashes alike: only the token comparison can tell them apart
-        monkeypatch.setattr(span_store, "gram_hashes", lambda t, g: [0] * max(0, len(t) - g + 1))
+        monkeypatch.setattr(span_index, "gram_hashes", lambda t, g: [0] * max(0, len(t) - g + 1))
     rng = np.random.default_rng(7)
     found = 0
     for trial in range(300):

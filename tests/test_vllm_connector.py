@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from kvcmas.serve.params import KvcmasParamsError, parse_kvcmas_params
-from kvcmas.serve.span_store import SpanIndex, SpanStore
+from kvcmas.serve.span_index import SpanIndex
+from kvcmas.serve.span_store import SpanStore
 
 # ----------------------------------------------------------------- pure parts (no vLLM)
 
@@ -192,9 +193,10 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_server(tmp: Path, dtype: str):
+def running_server(tmp: Path, dtype: str, connector: dict | None = None):
     """vLLM's OpenAI server on the embedded default model in ``dtype``, with the connector
-    (KVCMAS at tau 1 by default) and the middleware; stopped on exit."""
+    (KVCMAS at tau 1 by default, or the extra config ``connector``) and the middleware;
+    stopped on exit."""
     pytest.importorskip("vllm")
     openai = pytest.importorskip("openai")
     from transformers import AutoTokenizer
@@ -219,8 +221,9 @@ def running_server(tmp: Path, dtype: str):
         "kv_load_failure_policy": "recompute",
         # Each test names its method per request ("exact" by default). The cost rule is off
         # (min_gain 0): these tests check what the methods build, on spans of 32-200 tokens.
-        "kv_connector_extra_config": {"store_bytes": STORE_BYTES, "method": "kvcmas",
-                                      "method_config": SERVER_KVCMAS, "min_gain": 0},
+        "kv_connector_extra_config": connector or {
+            "store_bytes": STORE_BYTES, "method": "kvcmas", "method_config": SERVER_KVCMAS,
+            "min_gain": 0},
     }
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -462,6 +465,22 @@ def test_malformed_params_get_http_400_naming_the_field(server):
         server.client.chat.completions.create(
             model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
             extra_body={"kv_transfer_params": {"kvcmas": {"session": "s"}}})
+
+
+@pytest.mark.vllm
+def test_a_client_salt_with_kvcmas_prefix_is_refused(server):
+    """A forged session salt would reach that session's approximate KV in vLLM's cache."""
+    import openai
+
+    from kvcmas.serve.params import session_cache_salt
+
+    for salt in (session_cache_salt(None, "s", None), "kvcmas:anything"):
+        with pytest.raises(openai.BadRequestError) as err:
+            complete(server, [1, 2, 3], salt=salt, max_tokens=1)
+        assert err.value.status_code == 400 and "cache_salt" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):  # tagged requests too
+        complete(server, [1, 2, 3], session="s", salt="kvcmas:x", max_tokens=1)
+    assert complete(server, [1, 2, 3], salt="mine", max_tokens=1).token_ids  # others pass
 
 
 @pytest.mark.vllm
@@ -758,7 +777,7 @@ def test_the_store_stays_bounded_over_a_long_stream(server):
 
 
 def test_the_salt_separates_sessions_and_tenants_and_keeps_a_client_salt_inside():
-    from kvcmas.serve.http import session_cache_salt
+    from kvcmas.serve.params import session_cache_salt
 
     salts = {
         session_cache_salt(None, "s", None), session_cache_salt("t1", "s", None),
@@ -908,3 +927,36 @@ def test_connector_kv_equals_kvcmas_run_hop_by_hop(server, method):
     # KVCMAS's judge leaves both replies (39 tokens, inside the repair head) to vLLM.
     assert engine == (2 * len(docs) if method == "kvcmas" else 0)
     assert worst < 1e-4
+
+
+@pytest.mark.vllm
+def test_the_default_measures_its_costs_and_learns_from_what_vllm_computes(tmp_path):
+    """`kvcmas serve` with no options: KVCMAS at its serving defaults, claims from measured
+    costs. The runtime is calibrated at start-up; vLLM's step times reach the scheduler; a
+    document no pool has learned is left to vLLM, whose KV of it teaches the pool (no dense
+    prefill outside vLLM's batch); a short reply (inside the repair head) is never built."""
+    from kvcmas.serve.defaults import serving_defaults
+
+    with running_server(tmp_path, "float32", {"store_bytes": STORE_BYTES,
+                                               "method": "kvcmas"}) as srv:  # fmt: skip
+        at_start = stats(srv)
+        assert at_start["method_config"] == serving_defaults("kvcmas")
+        assert at_start["costs"]["runtime_s_per_token"] > 0  # calibrated before any request
+        for i in range(3):  # sessions: the reader, then a critic reads its document and reply
+            doc = prompt_ids(srv, f"Sigma {i}", facts=40)
+            session = f"default-{i}-{uuid.uuid4().hex[:6]}"
+            first = complete(srv, [1] + doc, session=session, agent="reader", method="kvcmas",
+                             max_tokens=40)  # fmt: skip
+            critic = complete(srv, [2, 3] + doc + first.token_ids + [4], session=session,
+                              agent="critic", method="kvcmas", max_tokens=4)  # fmt: skip
+            assert critic.kvcmas["span_tokens"] + critic.kvcmas["engine_span_tokens"] > 0
+            wait_for_saves(srv, critic.kvcmas["saved_requests_total"])
+        s = stats(srv)
+        assert s["costs"]["ready"] and s["costs"]["engine_s_per_token"] > 0
+        assert s["engine_spans_learned"] >= 1 and s["load_errors"] == 0
+        spans = [x for b in s["builds"] for x in b["spans"]]
+        # the first critics had nothing learned: their documents were vLLM's, never a dense
+        # build outside its batch
+        assert not any(x["decision"] == "dense" and x["computed_by"] == "connector"
+                       for x in spans), s["builds"]  # fmt: skip
+        assert all(x["computed_by"] == "engine" for x in spans if x["length"] <= 128)

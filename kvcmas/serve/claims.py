@@ -12,8 +12,10 @@ vLLM lets a connector claim one run of tokens, directly after the prefix vLLM co
    (:meth:`kvcmas.serve.span_store.SpanIndex.find_spans`); the private text between spans is
    computed in the claim by kvcmas's runtime, and the claim ends where the last span ends.
 
-Trailing spans not worth a build (:class:`SpanRule`) are left to vLLM's forward: the claim
-ends before them, and they are recorded as computed by the engine (so reuse counts them as
+Spans not worth a build are left to vLLM's forward: either the trailing spans a fixed rule
+rejects (:class:`SpanRule`, when the operator pins one), or every span after the point where
+the measured costs say the claim stops paying (:mod:`kvcmas.serve.costs`). The claim ends
+before them, and they are recorded as computed by the engine (so reuse counts them as
 dense). A claim may then supply no tokens at all and still carry that record. An exact run
 that is all a claim would supply is left to vLLM too when it is shorter than ``min_span``:
 copying a run into the paged cache costs a fixed amount per layer (10-15 ms for a 24-27-token
@@ -21,7 +23,7 @@ run over SmolLM2's 30 layers, measured in the engine on the AMX host), more than
 prefill of those tokens in its batch (about 0.3 ms a token there).
 
 vLLM computes the rest of the prompt (at least its last token, to sample from) and decodes.
-No vllm import here.
+No torch or vllm import here.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvcmas.serve.params import DEFAULT_MIN_GAIN
-from kvcmas.serve.range_builder import SourceRef, SpanPiece
-from kvcmas.serve.span_store import SpanIndex
+from kvcmas.serve.plans import SourceRef, SpanPiece
+from kvcmas.serve.span_index import SpanIndex
 
 # A span shorter than this is not worth a slot: with graded repair a span's first 16 tokens
 # (the attention sinks) are recomputed, so at 32 at least half of a span is served; and a run
@@ -108,11 +110,14 @@ def plan_claim(
     min_span: int = DEFAULT_MIN_SPAN,
     namespace: str | None = None,
     span_rule: SpanRule | None = None,
+    keep_spans: Callable[[int, list[SpanPiece]], int] | None = None,
 ) -> Claim | None:
     """The claim for a prompt of ``session`` (in ``namespace``), or None when the connector
     neither supplies tokens nor leaves spans to the engine. Spans come from the session only;
     the exact run from the namespace. ``min_span``: the shortest span, and the shortest exact
-    run claimed alone. ``span_rule``: which spans are worth a build (None: every span)."""
+    run claimed alone. ``span_rule``: which trailing spans are worth a build (None: every
+    span). ``keep_spans(exact_end, spans)``: how many of the spans, in order, the claim builds
+    (the rest is left to vLLM), decided before ``span_rule``."""
     last = len(prompt_ids) - 1  # vLLM must compute the last prompt token itself
     claim = Claim(num_computed, num_computed, exact_end=num_computed)
     exact = index.longest_exact_prefix(namespace, prompt_ids)
@@ -125,6 +130,9 @@ def plan_claim(
             origin = SourceRef(m.origin.key, m.origin.offset, m.origin.agent)
             latest = SourceRef(m.latest.key, m.latest.offset, m.latest.agent)
             claim.spans.append(SpanPiece(m.start, m.length, slot, kind, origin, latest))
+        if keep_spans is not None:  # the measured costs decide how far the claim reaches
+            kept = keep_spans(claim.exact_end, claim.spans)
+            claim.spans, claim.engine_spans = claim.spans[:kept], claim.spans[kept:]
         while claim.spans and span_rule and not span_rule.worth_building(claim.spans[-1].length):
             claim.engine_spans.insert(0, claim.spans.pop())
         if claim.spans:

@@ -4,8 +4,10 @@ vLLM passes ``kv_transfer_params`` through to the engine unchecked, and the conn
 scheduler side must never raise (it would stop the engine), so malformed ``kvcmas`` params are
 refused here with HTTP 400 naming the field. The middleware also salts each kvcmas request by
 its (namespace, session) (a client's own salt is kept inside it), so the KV a connector loads
-enters vLLM's prefix cache only under that session's salt. It serves ``GET /kvcmas/stats``
-from the JSON file the connector's worker writes (the engine runs in another process).
+enters vLLM's prefix cache only under that session's salt; a client salt with the reserved
+``kvcmas:`` prefix is refused (it would reach a session's approximate KV). It serves
+``GET /kvcmas/stats`` from the JSON file the connector's worker writes (the engine runs in
+another process).
 No vllm import.
 """
 
@@ -15,17 +17,15 @@ import json
 import os
 from typing import Any
 
-from kvcmas.serve.params import KvcmasParamsError, parse_kvcmas_params
+from kvcmas.serve.params import (
+    SALT_PREFIX,
+    STATS_FILE_ENV,
+    KvcmasParamsError,
+    parse_kvcmas_params,
+    session_cache_salt,
+)
 
-STATS_FILE_ENV = "KVCMAS_STATS_FILE"
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
-def session_cache_salt(namespace: str | None, session: str, client_salt: str | None) -> str:
-    """The salt of a kvcmas request: its (namespace, session), so KV a connector loaded
-    reaches no other session or tenant; a client's own salt partitions further, and can never
-    join another session's blocks."""
-    return "kvcmas:" + json.dumps([namespace, session, client_salt])
 
 
 async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
@@ -67,6 +67,12 @@ class KvcmasMiddleware:
         except ValueError:
             request = None  # vLLM answers malformed JSON itself
         if isinstance(request, dict):
+            salt = request.get("cache_salt")
+            if isinstance(salt, str) and salt.startswith(SALT_PREFIX):
+                # A forged session salt would read that session's approximate KV.
+                message = (f"cache_salt: the prefix {SALT_PREFIX!r} is reserved for kvcmas "
+                           "sessions; tag the request with kv_transfer_params.kvcmas instead")
+                return await _send_json(send, 400, _error(message, 400, "cache_salt"))
             try:
                 params = parse_kvcmas_params(request.get("kv_transfer_params"))
             except KvcmasParamsError as err:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcmas.errors import UsageError
-from kvcmas.serve.http import STATS_FILE_ENV
-from kvcmas.serve.params import CONNECTOR_METHODS, DEFAULT_STORE_BYTES
+from kvcmas.serve.params import CONNECTOR_METHODS, DEFAULT_STORE_BYTES, STATS_FILE_ENV
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # vLLM's default (a share of node memory) fails when small
@@ -42,10 +41,11 @@ def check_method(method: str, options: dict | None = None) -> None:
             return
         from kvcmas.errors import ConfigError
         from kvcmas.methods import make_method
+        from kvcmas.serve.defaults import serving_options
         from kvcmas.serve.params import method_for
 
         try:
-            make_method(method_for(method), options or {})
+            make_method(method_for(method), serving_options(method, options))
         except ConfigError as err:
             raise UsageError(str(err)) from None
         return

@@ -7,6 +7,7 @@ serves such a request as plain vLLM. No vllm import here.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from kvcmas.errors import KvcmasError
 
 # Test-only knobs are refused unless the server was started with this variable set to 1.
 TEST_HOOKS_ENV = "KVCMAS_TEST_HOOKS"
+# Where the worker writes its counters as JSON, which GET /kvcmas/stats serves.
+STATS_FILE_ENV = "KVCMAS_STATS_FILE"
 # Where the worker writes the saved KV of requests sent with the ``test_dump`` hook.
 DUMP_DIR_ENV = "KVCMAS_DUMP_DIR"
 _TEST_FIELDS = ("test_noise_std", "test_dump")
@@ -25,16 +28,14 @@ DEFAULT_NAMESPACES = 64
 # Bounds of the connector's span store and of each method object's per-session state.
 DEFAULT_STORE_BYTES = 512 << 20
 DEFAULT_SESSION_STATE_BYTES = 1 << 30
-# The cost rule's default: a span is built only if it serves at least this many tokens per
-# token its build always recomputes (the method's recomputed_tokens: a repaired head).
-# Measured on the 2-core AMX host with SmolLM2-135M in bf16 (RESULTS.md, "A cost rule for
-# short spans"): kvcmas's runtime recomputes a token in about 0.5 ms outside vLLM's batch,
-# where vLLM's own prefill costs about 0.3 ms a token, and each build adds fixed work (match,
-# correction, copies). At the long-context point (a 128-token head) the hops of a 512-token
-# document served 3.1-5.2 tokens per head token and every one of them was slower than plain
-# vLLM's (0.07 s at half its capacity); at 2K and 4K (15-31) KVCMAS was 2.5-3x faster. The
-# break-even lies between; 8 leaves spans under 1152 tokens to vLLM at that head. Another
-# machine or engine has other costs: measure, then set it (0 builds every span).
+# The fixed cost rule's default, where one is used: on an `exact` server (which loads no
+# runtime to measure) for per-request methods, or pinned by the operator (min_gain). A span is
+# built only if it serves at least this many tokens per token its build always recomputes (the
+# method's recomputed_tokens: a repaired head). Measured on the 2-core AMX host with
+# SmolLM2-135M in bf16 (RESULTS.md, "A cost rule for short spans"): the hops of a 512-token
+# document served 3.1-5.2 tokens per head token and were slower than plain vLLM's, 2K and 4K
+# documents (15-31) were 2.5-3x faster. Every other server measures its costs instead
+# (kvcmas.serve.costs).
 DEFAULT_MIN_GAIN = 8.0
 
 # Methods the connector builds KV with (``kv_connector_extra_config["method"]``). "exact"
@@ -134,3 +135,32 @@ def parse_kvcmas_params(kv_transfer_params: Any) -> KvcmasParams | None:
             )
         values["test_dump"] = raw["test_dump"]
     return KvcmasParams(**values)
+
+
+# A cache_salt starting with this is kvcmas's own: the middleware refuses it from clients.
+SALT_PREFIX = "kvcmas:"
+
+
+def session_key(params: KvcmasParams) -> str:
+    """Sessions are scoped by namespace: two tenants using one session id never mix."""
+    return json.dumps([params.namespace, params.session])
+
+
+def session_cache_salt(namespace: str | None, session: str, client_salt: str | None) -> str:
+    """The salt of a kvcmas request: its (namespace, session), so KV a connector loaded
+    reaches no other session or tenant; a client's own salt partitions further, and can never
+    join another session's blocks."""
+    return SALT_PREFIX + json.dumps([namespace, session, client_salt])
+
+
+def salt_belongs_to(salt: str | None, params: KvcmasParams) -> bool:
+    """Whether ``salt`` is the one the middleware gives a request of ``params``'s (namespace,
+    session), whatever client salt it holds inside."""
+    if not salt or not salt.startswith(SALT_PREFIX):
+        return False
+    try:
+        parts = json.loads(salt[len(SALT_PREFIX) :])
+    except ValueError:
+        return False
+    return (isinstance(parts, list) and len(parts) == 3
+            and parts[:2] == [params.namespace, params.session])  # fmt: skip

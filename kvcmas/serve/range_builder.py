@@ -20,7 +20,6 @@ No vllm import here: the unit tests drive it with a plain tensor laid out as vLL
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,61 +30,7 @@ from kvcmas.model.cache import KVCache
 from kvcmas.model.rope import rotate_keys
 from kvcmas.model.transformer import Transformer
 from kvcmas.serve.paged_layout import read_span, write_span
-
-
-@dataclass(frozen=True)
-class SourceRef:
-    """Where a span's tokens sit in a saved request: its store key and first position."""
-
-    key: str
-    offset: int
-    agent: str  # the agent of that saved request
-
-
-@dataclass(frozen=True)
-class SpanPiece:
-    """A shared span of the prompt at ``[start, start + length)``, built by the method."""
-
-    start: int
-    length: int
-    slot: str  # names the anchor pool with the consumer agent: the producer, see connector
-    kind: str  # "agent" (first seen in an output) or "input" (first seen in a prompt)
-    origin: SourceRef
-    latest: SourceRef
-
-
-@dataclass
-class RangePlan:
-    """What the scheduler claimed for one request, and how the worker fills it."""
-
-    request_id: str
-    session: str
-    agent: str  # the consumer: the agent of this request
-    namespace: str | None
-    block_ids: list[int]
-    start: int  # vLLM computed the prompt up to here
-    end: int  # the claim ends here (vLLM computes the rest of the prompt)
-    token_ids: list[int]  # the prompt's tokens [0, end)
-    exact_key: str | None = None  # copy [start, exact_end) from this saved request
-    exact_end: int = 0
-    spans: list[SpanPiece] = field(default_factory=list)
-    method: str = "exact"  # the method that builds the spans
-    # Spans after the claim that the method would recompute whole: vLLM computes them (they
-    # are recorded with the build, so reuse counts them).
-    engine_spans: list[SpanPiece] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.exact_end = max(self.exact_end, self.start)
-        bounds = [(self.exact_end, self.exact_end)] + [(s.start, s.start + s.length)
-                                                        for s in self.spans]
-        for (_, prev_end), (begin, end) in zip(bounds, bounds[1:], strict=False):
-            if begin < prev_end or end <= begin:
-                raise ValueError(f"request {self.request_id}: spans overlap or are empty")
-        if bounds[-1][1] > self.end or len(self.token_ids) < self.end:
-            raise ValueError(f"request {self.request_id}: spans run past the claimed range")
-        if any(s.start < self.end for s in self.engine_spans):
-            raise ValueError(f"request {self.request_id}: an engine span inside the claim")
-
+from kvcmas.serve.plans import RangePlan, SourceRef
 
 # The worker's span store as the builder sees it: per saved request, K and V of every layer
 # (in model order) at positions [offset, offset + length), as the paged cache held them.
