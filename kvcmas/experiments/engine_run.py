@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcmas.chat import Segment, render_segments, tokenize
 from kvcmas.errors import UsageError, WorkflowError
@@ -49,6 +49,8 @@ ENGINE_METHODS = (PLAIN, *CONNECTOR_METHODS)
 class EngineHopResult(HopResult):
     cached_tokens: int | None = None  # prompt tokens the server did not compute
     claimed_tokens: int | None = None  # of those, supplied by the kvcmas connector
+    itl_s: list[float] = field(default_factory=list, repr=False)  # inter-token gaps, streamed
+    tpot_s: float | None = None  # time per output token after the first
 
 
 def served_records(
@@ -195,6 +197,8 @@ class _HopBuilder:
             output_ids=list(done.token_ids),
             cached_tokens=done.cached_tokens,
             claimed_tokens=done.claimed_tokens,
+            itl_s=done.itl_s,
+            tpot_s=done.tpot_s,
         )
 
     def _request_result(

@@ -30,7 +30,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,15 @@ class Completion:
     cached_tokens: int | None  # prompt tokens not computed: vLLM's prefix cache + connector
     claimed_tokens: int | None  # of those, supplied by the kvcmas connector (None: unknown)
     build: dict[str, Any] | None = None  # the worker's record of the spans a method built
+    # Seconds between consecutive streamed chunks that carried tokens (inter-token latency:
+    # a build in the engine step shows up here for every request decoding at that time).
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        n = len(self.token_ids) + self.hit_stop
+        return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
 def api_root(base_url: str) -> str:
@@ -122,6 +131,7 @@ class _Stream:
         self.ttft: float | None = None
         self.usage = self.finish = None
         self.start = time.perf_counter()
+        self.chunk_times: list[float] = []  # arrivals of the chunks that carried tokens
 
     def request(
         self, model: str, max_tokens: int, kvcmas: dict[str, str] | None, ignore_eos: bool
@@ -146,8 +156,11 @@ class _Stream:
         first = False
         for choice in chunk.choices:
             new = (choice.model_extra or {}).get("token_ids") or []
-            if new and self.ttft is None:
-                self.ttft, first = time.perf_counter() - self.start, True
+            if new:
+                now = time.perf_counter()
+                self.chunk_times.append(now)
+                if self.ttft is None:
+                    self.ttft, first = now - self.start, True
             self.ids.extend(new)
             self.finish = choice.finish_reason or self.finish
         self.usage = chunk.usage or self.usage
@@ -168,6 +181,7 @@ class _Stream:
             latency_s=latency,
             prompt_tokens=usage.prompt_tokens if usage is not None else len(self.prompt_ids),
             cached_tokens=(details.cached_tokens or 0) if details is not None else None,
+            itl_s=[b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)],
             **served,
         )
 
@@ -199,13 +213,13 @@ def merge_pool_reports(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict
     out = {key: dict(report) for key, report in a.items()}
     for key, report in b.items():
         mine = out.setdefault(key, {})
-        for field, value in report.items():
-            if field not in mine:
-                mine[field] = value
-            elif field in _POOL_MAXIMA:
-                mine[field] = max(mine[field], value)
+        for name, value in report.items():
+            if name not in mine:
+                mine[name] = value
+            elif name in _POOL_MAXIMA:
+                mine[name] = max(mine[name], value)
             else:
-                mine[field] += value
+                mine[name] += value
     return out
 
 

@@ -111,19 +111,19 @@ class MemoryPoller:
 async def run_cell(
     runner: AsyncEngineRunner,
     requests: list[dict],
-    arrivals: list[float],
+    arrivals: list[float] | None,
     time_limit_s: float,
     drain_s: float,
     on_session: Callable[[SessionRecord, int], None] | None = None,
     poller: MemoryPoller | None = None,
 ) -> tuple[list[SessionRecord], float]:
-    """Send ``requests[i]`` as a session at ``arrivals[i]`` (s from now) until the time limit;
-    returns the sessions (launched ones only) and the cell's wall time (first arrival to the
-    last session's end)."""
+    """Send ``requests[i]`` as a session at ``arrivals[i]`` (s from now) until the time limit,
+    or (``arrivals`` None) one at a time, each as the one before ends; returns the sessions
+    (launched ones only) and the cell's wall time (first arrival to the last session's end)."""
     check_local_url(runner.client.base_url)
-    if len(requests) != len(arrivals):
+    if arrivals is not None and len(requests) != len(arrivals):
         raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
-    sent = arrivals_within(arrivals, time_limit_s)
+    sent = len(requests) if arrivals is None else arrivals_within(arrivals, time_limit_s)
     n_hops = len(runner.workflow.order)
     start = time.perf_counter()
     deadline = start + time_limit_s
@@ -154,8 +154,16 @@ async def run_cell(
     polling = asyncio.create_task(poller.run(stop)) if poller is not None else None
     tasks = []
     try:
-        for i, (request, at) in enumerate(zip(requests[:sent], arrivals[:sent], strict=True)):
-            await asyncio.sleep(max(0.0, at - now()))
+        for i, request in enumerate(requests[:sent]):
+            if arrivals is None:  # one at a time: the next arrives as this one ends
+                if tasks:
+                    await tasks[-1]
+                if time.perf_counter() > deadline:
+                    break
+                at = now()
+            else:
+                at = arrivals[i]
+                await asyncio.sleep(max(0.0, at - now()))
             record = SessionRecord(i, at)
             records.append(record)
             tasks.append(asyncio.create_task(session(record, request)))

@@ -1,4 +1,5 @@
-"""Figures of one cell: percentiles of TTFT and session latency, throughput, reuse, memory.
+"""Figures of one cell: percentiles of TTFT, session latency and inter-token latency,
+throughput, reuse, memory.
 
 TTFT is the client's (request sent to first streamed token), split into the first hop (no
 earlier agent in the session: nothing to reuse but the document's own prefix) and later hops.
@@ -93,6 +94,11 @@ def cell_summary(records: list[SessionRecord], wall_s: float) -> dict[str, Any]:
         "ttft_later_s": distribution([h.ttft_s for h in later_hops]),
         "ttft_all_s": distribution(first + [h.ttft_s for h in later_hops]),
         "session_latency_s": distribution(latencies),
+        # Decode stalls: every gap between streamed tokens of every hop, and each hop's time
+        # per output token (a build in an engine step stalls every request decoding then).
+        "itl_s": distribution([g for r in records for h in r.hops for g in h.itl_s]),
+        "tpot_s": distribution([h.tpot_s for r in records for h in r.hops
+                                if h.tpot_s is not None]),  # fmt: skip
         "wall_s": wall_s,
         "sessions_per_s": len(done) / wall_s if wall_s > 0 else None,
         "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,

@@ -13,7 +13,6 @@ from kvcmas.experiments.engine_run import PLAIN
 from kvcmas.experiments.machine import serving_dtype
 from kvcmas.methods.kvcmas import LONG_CONTEXT
 from kvcmas.serve.launch import check_method, check_sizes
-from kvcmas.serve.params import DEFAULT_MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,9 @@ METHODS = {
         # connector never acts on them); the reference of every ratio and the capacity.
         ServedMethod("nonshared", "exact", PLAIN),
         ServedMethod("fullshared", "fullshared", "fullshared"),
-        # Long documents are this bench's workload: KVCMAS at its long-context point.
-        ServedMethod("kvcmas", "kvcmas", "kvcmas", LONG_CONTEXT),
+        # KVCMAS as `kvcmas serve` runs it with no options: its serving defaults (the
+        # long-context point) and claims chosen from measured costs.
+        ServedMethod("kvcmas", "kvcmas", "kvcmas"),
         # Non-chained: each span's base is a context-free reference prefill, as KVCOMM's.
         ServedMethod("kvcmas-nochain", "kvcmas", "kvcmas", {**LONG_CONTEXT, "chain": False}),
         ServedMethod("kvcomm", "kvcomm", "kvcomm"),  # its own V = 20
@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--loads",
         type=float_list,
         default=[0.5, 1.0],
-        help="arrival rates as multiples of plain vLLM's capacity at each S",
+        help="arrival rates as multiples of plain vLLM's capacity at each S (0: sessions "
+             "one at a time, each sent as the one before ends; no capacity search)",
     )
     p.add_argument(
         "--methods",
@@ -167,8 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "each session kept on one (`kvcmas serve --instances N`)",
     )  # fmt: skip
     p.add_argument("--min-gain", type=float, default=None,
-                   help="the connector's cost rule (`kvcmas serve --min-gain`; default "
-                        f"{DEFAULT_MIN_GAIN:g})")
+                   help="pin the connector's fixed cost rule (`kvcmas serve --min-gain`; "
+                        "default: claims chosen from measured costs)")
     p.add_argument("--sync-saves", action="store_true",
                    help="the connector copies saves inside the engine step (`kvcmas serve "
                         "--sync-saves`; default: on a background thread)")
@@ -202,8 +203,9 @@ def check_args(args: argparse.Namespace) -> None:
 
         instance_cores(args.instances)
         router_binary()
-    if any(s < 1 for s in args.sizes) or any(x <= 0 for x in args.loads):
-        raise UsageError("sizes must be positive token counts and loads positive multiples")
+    if any(s < 1 for s in args.sizes) or any(x < 0 for x in args.loads):
+        raise UsageError("sizes must be positive token counts and loads multiples >= 0 "
+                         "(0: sessions one at a time)")
     extra = sorted(set(args.capacity) - set(args.sizes))
     if extra:
         raise UsageError(f"--capacity names sizes not in --sizes: {extra}")

@@ -34,6 +34,14 @@ def _later_p50(c: dict[str, Any]) -> float | None:
     return c["ttft_later_s"]["p50"]
 
 
+def _itl_p50(c: dict[str, Any]) -> float | None:
+    return (c.get("itl_s") or {}).get("p50")  # runs from before it was measured have none
+
+
+def _itl(c: dict[str, Any]) -> str:
+    return _dist(c["itl_s"]) if c.get("itl_s") else "-"
+
+
 def _server_cpu(c: dict[str, Any]) -> float | None:
     return (c.get("compute") or {}).get("server_cpu_s")  # runs before it was measured: None
 
@@ -169,6 +177,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"One server per method; warm-up sessions per S: {each('warmup')}. TTFT is the client's "
         "(request sent to first streamed token), in seconds; 'vs plain' is hops 2+ p50 over "
         "plain vLLM's (nonshared) in the same cell; rho and recompute are over hops 2+. "
+        "ITL: the gaps between streamed tokens of every hop (decode stalls). "
         "Server CPU: user + system seconds of the server's processes (API server, engine core, "
         "router) over the whole cell, and that over plain vLLM's in the same cell (the same "
         "sessions are sent to both: compare where both completed them all). "
@@ -186,10 +195,11 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "## Cells", "",
         f"| method | S | load | rate/s | sessions done/sent | TTFT hop 1 p50 / p95 | TTFT hops 2+ "
-        f"{later} | vs plain | session p50 / p95 | sessions/s | tokens/s | server CPU s "
+        f"{later} | vs plain | session p50 / p95 | ITL p50 / p95 | ITL vs plain | "
+        "sessions/s | tokens/s | server CPU s "
         "| CPU vs plain | rho | recompute | KV peak | store | method state |"
         + (" part |" if merged else ""),
-        "|" + "---|" * (19 if merged else 18),
+        "|" + "---|" * (21 if merged else 20),
     ]  # fmt: skip
     for c in results["cells"]:
         m = c["memory"]
@@ -197,7 +207,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {c['method']} | {c['size']} | {c['load']:g} | {c['rate_per_s']:.3f} | "
             f"{c['sessions_completed']}/{c['sessions_launched']} | {_dist(c['ttft_first_s'])} | "
             f"{_dist(c['ttft_later_s'], p99)} | {_ratio(results, c)} | "
-            f"{_dist(c['session_latency_s'])} | {fmt(c['sessions_per_s'], '.3f')} | "
+            f"{_dist(c['session_latency_s'])} | {_itl(c)} | {_ratio(results, c, _itl_p50)} | "
+            f"{fmt(c['sessions_per_s'], '.3f')} | "
             f"{fmt(c['output_tokens_per_s'], '.1f')} | {fmt(_server_cpu(c), '.1f')} | "
             f"{_ratio(results, c, _server_cpu)} | {fmt(c['rho_later'], '.2f')} | "
             f"{fmt(c['recompute_later'], '.2f')} | {_mib(m.get('kv_cache_peak_bytes'))} | "

@@ -47,7 +47,6 @@ from kvcmas.experiments.serve_bench.workload import (
     size_documents,
 )
 from kvcmas.serve.client import AsyncEngineClient, EngineClient, ModelSide
-from kvcmas.serve.params import DEFAULT_MIN_GAIN
 from kvcmas.workflow.spec import Workflow
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -196,16 +195,21 @@ class Bench:
                 self.sequential(base_url, method, namespace,
                                 session_requests(docs.warmup, f"warm{size}"),
                                 f"{method.name} S={size} warm-up")  # fmt: skip
-            if method.name == BASELINE and size not in self.capacity:
+            loaded = any(load > 0 for load in self.args.loads)
+            if method.name == BASELINE and size not in self.capacity and loaded:
                 self.search(base_url, method, namespace, size)
             if not measure:
                 continue
             for load in self.args.loads:
-                rate = load * self.capacity[size].capacity_per_s
                 n = self.args.sessions
-                arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, load))
-                label = f"{method.name} S={size} load {load:g} ({rate:.3f}/s)"
-                sent = arrivals_within(arrivals, self.args.cell_time_s)
+                if load == 0:  # sessions one at a time
+                    rate, arrivals, sent = 0.0, None, n
+                    label = f"{method.name} S={size} one at a time"
+                else:
+                    rate = load * self.capacity[size].capacity_per_s
+                    arrivals = poisson_arrivals(rate, n, cell_seed(self.args.seed, size, load))
+                    label = f"{method.name} S={size} load {load:g} ({rate:.3f}/s)"
+                    sent = arrivals_within(arrivals, self.args.cell_time_s)
                 if sent < n:  # said up front: a low capacity makes 40 arrivals take long
                     self.log(f"{label}: the {n} arrivals span {arrivals[-1]:.0f}s, past "
                              f"--cell-time-s {self.args.cell_time_s:g}: only {sent} will be "
@@ -343,7 +347,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "kv_cache_bytes": args.kv_cache_bytes,
             "store_bytes": args.store_bytes,
             "session_state_bytes": args.session_state_bytes,
-            "min_gain": DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
+            "min_gain": "measured" if args.min_gain is None else args.min_gain,
             "sync_saves": args.sync_saves,
             "source": args.source,
             "methods": {
