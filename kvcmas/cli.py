@@ -140,9 +140,17 @@ def print_result_table(i, result) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvcmas.model.loader import resolve
-    from kvcmas.serve.launch import ServeConfig, check_method, check_port, check_sizes, serve
+    from kvcmas.serve.launch import (
+        ServeConfig,
+        check_method,
+        check_port,
+        check_sizes,
+        check_vllm_args,
+        serve,
+    )
 
     # Every argument is checked before the model is resolved (a first use converts it).
+    vllm_args = check_vllm_args(args.vllm_args)
     options = method_options(args)
     check_method(args.method, options)
     check_sizes(kv_cache_bytes=args.kv_cache_bytes, store_bytes=args.store_bytes,
@@ -164,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         folder, name, args.method, args.dtype, args.host, port, args.kv_cache_bytes,
         args.store_bytes, args.max_model_len, options, args.min_span, args.max_namespaces,
         args.session_state_bytes, args.min_gain, args.sync_saves,
+        background_saves=args.background_saves, vllm_args=vllm_args,
     )
     if args.instances != 1:
         from kvcmas.serve.cluster import serve_cluster
@@ -274,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_SESSION_STATE_BYTES,
     )
 
-    s = sub.add_parser("serve", help="vLLM's OpenAI server with the kvcmas connector")
+    s = sub.add_parser(
+        "serve", help="vLLM's OpenAI server with the kvcmas connector",
+        usage="kvcmas serve [options] [-- vLLM's own flags, passed through unchanged]",
+    )  # fmt: skip
     add_model_args(s, device=False)  # the connector's runtime belongs on vLLM's device
     s.add_argument("--method", default="kvcmas", help="how the connector builds shared spans: "
                    "exact, fullshared, kvcmas, kvcomm, cacheblend, headrecompute (default "
@@ -300,9 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "head; 0 builds every span). Default: no fixed rule; each claim is "
                         "chosen from the engine's and the connector's costs measured on this "
                         f"server (the fixed rule's old default was {DEFAULT_MIN_GAIN:g})")
-    s.add_argument("--sync-saves", action="store_true",
-                   help="copy each finished request's KV into the span store inside the engine "
-                        "step (default: on a background thread while the engine runs on)")
+    saves = s.add_mutually_exclusive_group()
+    saves.add_argument("--sync-saves", action="store_true",
+                       help="copy each finished request's KV into the span store inside the "
+                            "engine step (the default on a CPU, whose cores the forward uses)")
+    saves.add_argument("--background-saves", action="store_true",
+                       help="copy it on a background thread while the engine runs on (the "
+                            "default off the CPU)")
     s.add_argument("--max-namespaces", type=int, default=None,
                    help="namespaces (tenants) whose method state (anchor pools) the connector "
                         "keeps; the least recently used beyond it is dropped "
@@ -357,7 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `kvcmas serve [ours] -- [vLLM's own flags]`: the rest goes to vLLM unchanged.
+    passed: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, passed = argv[:at], argv[at + 1 :]
     args = build_parser().parse_args(argv)
+    if passed and args.func is not cmd_serve:
+        print("kvcmas: error: only 'kvcmas serve' passes flags after '--' (to vLLM)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    args.vllm_args = passed
     for flag in ("dtype", "reference_dtype"):
         value = getattr(args, flag, None)
         if value is not None and value not in DTYPES:

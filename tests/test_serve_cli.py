@@ -106,6 +106,23 @@ def test_run_on_the_engine_refuses_what_it_cannot_do(no_model, capsys):
     assert "method options configure the server" in capsys.readouterr().err
 
 
+def test_flags_after_a_double_dash_reach_vllm_unless_kvcmas_serve_sets_them(capsys):
+    from kvcmas.serve.launch import check_vllm_args
+
+    passed = ["--max-num-seqs", "2", "--api-key=secret", "--tensor_parallel_size", "1"]
+    assert check_vllm_args(passed) == tuple(passed)
+    cfg = ServeConfig(Path("/m"), "m", "kvcmas", vllm_args=tuple(passed))
+    assert server_command(cfg)[-5:] == passed  # unchanged, after ours
+    for ours, use in (("--max_model_len=9", "--max-model-len"), ("--port", "--port"),
+                      ("--kv-cache-memory-bytes", "--kv-cache-bytes"),
+                      ("--kv-transfer-config", "--method"), ("--served-model-name", "--model")):
+        assert cli.main(["serve", "--port", "0", "--", ours, "1"]) == 2
+        err = capsys.readouterr().err
+        assert "set by kvcmas serve itself" in err and use in err, err
+    assert cli.main(["generate", "--prompt", "hi", "--", "--max-num-seqs", "2"]) == 2
+    assert "only 'kvcmas serve' passes flags after '--'" in capsys.readouterr().err
+
+
 def test_server_command_configures_connector_middleware_and_cpu():
     cfg = ServeConfig(Path("/models/m"), "m", "exact", "bf16", "127.0.0.1", 8123, 1 << 29, 7 << 20)
     cmd = server_command(cfg)

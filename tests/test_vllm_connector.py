@@ -55,6 +55,16 @@ def test_params_accept_the_protocol_and_name_bad_fields(monkeypatch):
         parse_kvcmas_params({"kvcmas": {"session": "s", "agent": "a", "test_noise_std": -1}})
 
 
+def test_tensor_or_pipeline_parallelism_is_refused_at_start_naming_it():
+    pytest.importorskip("vllm")
+    from kvcmas.serve.connector import check_parallelism
+
+    check_parallelism(1, 1)
+    for tp, pp in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=f"tensor parallel size {tp} and pipeline"):
+            check_parallelism(tp, pp)
+
+
 def test_span_index_matches_prefixes_within_a_session_only():
     index = SpanIndex(capacity_bytes=10_000, bytes_per_token=10)
     index.add("r1", "S", "a", [1, 2, 3, 4, 5])

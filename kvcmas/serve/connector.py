@@ -28,9 +28,11 @@ Everything else is plain vLLM.
 Extra config (``kv_connector_extra_config``): ``method`` (one of ``CONNECTOR_METHODS``;
 default ``exact``), ``method_config`` (the method's options, as ``kvcmas run`` takes them),
 ``min_span`` (default :data:`kvcmas.serve.claims.DEFAULT_MIN_SPAN`), ``background_saves``
-(default true; false copies each save inside the engine step), ``min_gain`` (pins the fixed
-cost rule of :class:`kvcmas.serve.claims.SpanRule`; by default the claim is chosen from costs
-measured on this server: :mod:`kvcmas.serve.costs`), ``store_bytes`` (bound of
+(true: copy saves on a background thread; false: inside the engine step; default: on a thread
+only where the KV caches are not on the CPU, whose cores vLLM's forward already uses),
+``min_gain`` (pins the fixed cost rule of :class:`kvcmas.serve.claims.SpanRule`; by default
+the claim is chosen from costs measured on this server: :mod:`kvcmas.serve.costs`),
+``store_bytes`` (bound of
 the span store, default 512 MiB), ``max_namespaces`` (method objects kept, one per namespace
 and method, least recently used dropped; default 64), ``session_state_bytes`` (bound of each
 method object's per-session values, such as KVCOMM's reference prefills and GraphFlow's bases,
@@ -106,6 +108,19 @@ class KvcmasWorkerMetadata(KVConnectorWorkerMetadata):
         return KvcmasWorkerMetadata(self.feedback.merge(other.feedback))
 
 
+def check_parallelism(tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Refuse at start-up what the worker cannot fill: under tensor parallelism each rank's
+    cache holds a shard of the KV heads while kvcmas's runtime builds all of them, and under
+    pipeline parallelism a rank holds only its layers; every build would fail and be
+    recomputed. (Plain `vllm serve` can load the connector too: the check lives here.)"""
+    if tensor_parallel > 1 or pipeline_parallel > 1:
+        raise ValueError(
+            f"KvcmasConnector: tensor parallel size {tensor_parallel} and pipeline parallel "
+            f"size {pipeline_parallel} are not supported (each rank would hold part of the KV "
+            "the connector builds whole): run one instance per device, with --instances N"
+        )
+
+
 def layer_order(names) -> list[str]:
     """vLLM's attention layer names in model order (``model.layers.<i>.self_attn.attn``)."""
 
@@ -126,6 +141,8 @@ class KvcmasConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        check_parallelism(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) != 1:
             raise ValueError(
@@ -169,7 +186,7 @@ class KvcmasConnector(KVConnectorBase_V1):
                 method_options, store_bytes,
                 int(extra("max_namespaces", DEFAULT_NAMESPACES)),
                 int(extra("session_state_bytes", DEFAULT_SESSION_STATE_BYTES)),
-                extra("background_saves", True),
+                extra("background_saves", None),
                 measure_costs=min_gain is None,
             ))  # fmt: skip
 

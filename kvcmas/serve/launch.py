@@ -88,6 +88,31 @@ def check_port(port: int, host: str) -> int:
         return s.getsockname()[1]
 
 
+# vLLM flags `kvcmas serve` sets itself, and the option of ours that sets each: given again
+# after `--` they would contradict it (or silently win), so they are refused.
+OWN_VLLM_FLAGS = {
+    "--model": "--model", "--served-model-name": "--model", "--dtype": "--dtype",
+    "--host": "--host", "--port": "--port", "--kv-cache-memory-bytes": "--kv-cache-bytes",
+    "--max-model-len": "--max-model-len", "--enforce-eager": "(kvcmas serve runs eager)",
+    "--kv-transfer-config": "--method and the connector's options",
+    "--middleware": "(kvcmas serve loads its own middleware)",
+    "--enable-prompt-tokens-details": "(kvcmas serve sets it)",
+}  # fmt: skip
+
+
+def check_vllm_args(args: list[str]) -> tuple[str, ...]:
+    """vLLM's own flags passed through after ``--``, unchanged; one that ``kvcmas serve`` sets
+    itself is refused naming our option to use instead."""
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0].replace("_", "-")  # vLLM takes either spelling
+        if flag in OWN_VLLM_FLAGS:
+            raise UsageError(f"{arg.split('=', 1)[0]} after '--' is set by kvcmas serve itself: "
+                             f"use {OWN_VLLM_FLAGS[flag]}")  # fmt: skip
+    return tuple(args)
+
+
 def check_sizes(**sizes: int | None) -> None:
     """Byte and token sizes must be positive (``session_state_bytes`` may be 0: the current
     session's state only; so may ``min_gain``: build every span); the error names the flag."""
@@ -116,6 +141,8 @@ class ServeConfig:
     session_state_bytes: int | None = None  # per method object; None: the connector's default
     min_gain: float | None = None  # served per recomputed token to build a span; None: default
     sync_saves: bool = False  # copy saves inside the engine step, not on a background thread
+    background_saves: bool = False  # copy saves on a background thread (default: CPU: step)
+    vllm_args: tuple[str, ...] = ()  # vLLM's own flags, passed through unchanged (after `--`)
 
     @property
     def url(self) -> str:
@@ -135,6 +162,7 @@ def server_command(cfg: ServeConfig) -> list[str]:
             **({"min_span": cfg.min_span} if cfg.min_span is not None else {}),
             **({"min_gain": cfg.min_gain} if cfg.min_gain is not None else {}),
             **({"background_saves": False} if cfg.sync_saves else {}),
+            **({"background_saves": True} if cfg.background_saves else {}),
             **({"max_namespaces": cfg.max_namespaces} if cfg.max_namespaces is not None else {}),
             **({"session_state_bytes": cfg.session_state_bytes}
                if cfg.session_state_bytes is not None else {}),  # fmt: skip
@@ -154,7 +182,7 @@ def server_command(cfg: ServeConfig) -> list[str]:
     ]
     if cfg.max_model_len is not None:
         command += ["--max-model-len", str(cfg.max_model_len)]
-    return command
+    return command + list(cfg.vllm_args)
 
 
 def server_env(stats_file: Path, cpus: list[int] | None = None) -> dict[str, str]:

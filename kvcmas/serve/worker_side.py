@@ -58,7 +58,11 @@ class WorkerOptions:
     store_bytes: int = DEFAULT_STORE_BYTES
     max_namespaces: int = DEFAULT_NAMESPACES
     session_state_bytes: int = DEFAULT_SESSION_STATE_BYTES
-    background_saves: bool = True  # false copies each save inside the engine step
+    # Copy saves on a background thread (True) or inside the engine step (False); None: on a
+    # thread only where the caches are not on the CPU. On a CPU the thread shares the cores
+    # vLLM's forward is bound to: at 512 tokens, sessions one at a time on 2 cores, it made
+    # inter-token latency 1.16x plain vLLM's where in-step copies kept it 1.00x (RESULTS.md).
+    background_saves: bool | None = None
     # Measure kvcmas's runtime at start-up and report costs to the scheduler (its claims are
     # chosen from them unless the operator pinned a fixed rule).
     measure_costs: bool = False
@@ -67,8 +71,8 @@ class WorkerOptions:
         if self.session_state_bytes < 0:
             raise ValueError("KvcmasConnector: session_state_bytes must be >= 0, "
                              f"got {self.session_state_bytes}")  # fmt: skip
-        if not isinstance(self.background_saves, bool):  # JSON's true/false; "false" must fail
-            raise ValueError("KvcmasConnector: background_saves must be true or false, "
+        if self.background_saves not in (True, False, None):  # JSON's; "false" must fail
+            raise ValueError("KvcmasConnector: background_saves must be true, false or null, "
                              f"got {self.background_saves!r}")  # fmt: skip
 
 
@@ -106,7 +110,7 @@ class WorkerSide:
         self._methods = MethodStates(self._make_method, options.max_namespaces)
         self._load_errors: set[int] = set()
         self._finished_saving: set[str] = set()  # released without a copy
-        self._copier = SaveCopier(background=options.background_saves)
+        self._copier: SaveCopier | None = None  # made at registration (by the caches' device)
         self._stats_changed = False
         self.stats = new_stats()
         # Costs: what this worker measured since its last report to the scheduler, and its own
@@ -122,6 +126,10 @@ class WorkerSide:
         """vLLM's caches (one per attention layer; ``layers`` their names in model order) and
         the packing their blocks were checked to have."""
         self.kv_caches, self.layers, self.packing = dict(kv_caches), list(layers), packing
+        background = self.options.background_saves
+        if background is None:
+            background = next(iter(kv_caches.values())).device.type != "cpu"
+        self._copier = SaveCopier(background=background)
         if self.options.measure_costs:
             self._calibrate()
         self.write_stats()  # from startup on, /kvcmas/stats names the method
@@ -234,7 +242,8 @@ class WorkerSide:
         return failed
 
     def close(self) -> None:
-        self._copier.close()
+        if self._copier is not None:
+            self._copier.close()
 
     def _spent(self, key: str, since: float) -> float:
         """Add the wall seconds since ``since`` to the stats' ``key``; return the time now."""
@@ -307,7 +316,7 @@ class WorkerSide:
         """Account the copies done since the last step; returns their requests' ids (their
         blocks may go back to vLLM, copied or not)."""
         released = set()
-        for job in self._copier.reap():
+        for job in self._copier.reap() if self._copier is not None else ():
             released.add(job.request_id)
             self.stats["save_copy_s"] += job.copy_s
             self.stats["save_wait_s"] += job.waited_s

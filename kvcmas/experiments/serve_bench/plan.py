@@ -170,9 +170,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=float, default=None,
                    help="pin the connector's fixed cost rule (`kvcmas serve --min-gain`; "
                         "default: claims chosen from measured costs)")
-    p.add_argument("--sync-saves", action="store_true",
-                   help="the connector copies saves inside the engine step (`kvcmas serve "
-                        "--sync-saves`; default: on a background thread)")
+    saves = p.add_mutually_exclusive_group()
+    saves.add_argument("--sync-saves", action="store_true",
+                       help="the connector copies saves inside the engine step (`kvcmas serve "
+                            "--sync-saves`; the default on a CPU)")
+    saves.add_argument("--background-saves", action="store_true",
+                       help="the connector copies saves on a background thread (`kvcmas serve "
+                            "--background-saves`)")
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)

@@ -278,6 +278,7 @@ def method_server(
         max_model_len=max_model_len,
         method_options=method.options or None, session_state_bytes=args.session_state_bytes,
         min_gain=args.min_gain, sync_saves=args.sync_saves,
+        background_saves=args.background_saves,
     )  # fmt: skip
     if args.instances != 1:
         log(f"{method.name}: starting {args.instances} vLLM instances with the connector "
@@ -349,6 +350,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any
             "session_state_bytes": args.session_state_bytes,
             "min_gain": "measured" if args.min_gain is None else args.min_gain,
             "sync_saves": args.sync_saves,
+            "background_saves": args.background_saves,
             "source": args.source,
             "methods": {
                 m.name: {"server_method": m.server_method, "options": m.options}
