@@ -40,6 +40,15 @@ def test_the_engine_cost_is_the_slope_of_its_step_times():
     assert model.ready and not CostModel().ready
 
 
+def test_a_long_decode_does_not_crowd_the_prefill_steps_out_of_the_fit():
+    model = measured(engine_ms=0.3)
+    model.learn(Feedback(steps=[(1, 0.03)] * 200))  # 200 decode steps of 30 ms
+    assert model.engine_per_token() == pytest.approx(0.3 * MS, rel=0.05)
+    decode_only = CostModel()
+    decode_only.learn(Feedback(Calibration(0.5 * MS, 20 * MS, 0.0), [(1, 0.03)] * 10))
+    assert decode_only.engine_per_token() is None and not decode_only.ready
+
+
 def test_nothing_is_built_before_the_costs_are_measured():
     unmeasured = CostModel()
     assert unmeasured.best_span_count(0, 10, [SpanCost(10, 2000, 128)]) == 0
@@ -74,6 +83,8 @@ def test_a_document_sent_dense_is_left_to_vllm_even_with_a_reply_reusable_behind
     assert doc.recomputed == 1400
     reply = SpanCost(1430, 200, 0)  # even served whole
     assert model.best_span_count(0, 20, [doc, reply]) == 0
+    # ... even where the engine looks slower than the runtime (a cold first prefill step)
+    assert measured(engine_ms=2.0, runtime_ms=0.5).best_span_count(0, 20, [doc, reply]) == 0
     # The worker reports the pool learned: the head rule again, scaled to the length.
     model.learn(Feedback(edges=[EdgeRecord(edge, 1000, 128)]))
     assert model.predicted_recompute(edge, 2000, 0) == 256

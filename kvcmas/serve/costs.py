@@ -28,7 +28,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_WINDOW = 64  # recent samples a fit uses
+_WINDOW = 64  # recent samples a fit uses, of each kind below
+# Steps that prefill at least this many tokens are kept apart from decode steps: a long decode
+# would otherwise fill the window with one-token steps, whose average time per token is the
+# step's fixed cost, many times a prefill token's.
+PREFILL_STEP_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ class SpanCost:
 class CostModel:
     def __init__(self) -> None:
         self.calibration: Calibration | None = None
-        self._steps: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
+        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
+        self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
         self._builds: deque[BuildSample] = deque(maxlen=_WINDOW)
         self._edges: dict[tuple, float] = {}  # edge -> share of a span the next build recomputes
 
@@ -112,7 +117,9 @@ class CostModel:
     def learn(self, feedback: Feedback) -> None:
         if feedback.calibration is not None:
             self.calibration = feedback.calibration
-        self._steps.extend(feedback.steps)
+        for tokens, seconds in feedback.steps:
+            kind = self._prefill_steps if tokens >= PREFILL_STEP_TOKENS else self._decode_steps
+            kind.append((tokens, seconds))
         self._builds.extend(feedback.builds)
         for record in feedback.edges:
             if record.length > 0:
@@ -121,14 +128,16 @@ class CostModel:
     # ------------------------------------------------------------------ estimates
 
     def engine_per_token(self) -> float | None:
-        """Seconds per token of vLLM's forward, the slope of its step times."""
-        line = fit_line([(float(t), s) for t, s in self._steps])
+        """Seconds per prefill token of vLLM's forward: the slope of its step times against
+        their tokens. None until a prefill step was seen (decode steps alone cannot tell)."""
+        if not self._prefill_steps:
+            return None
+        steps = [(float(t), s) for t, s in (*self._decode_steps, *self._prefill_steps)]
+        line = fit_line(steps)
         if line is not None and line[1] > 0:
             return line[1]
-        big = [(t, s) for t, s in self._steps if t > 0]
-        if not big:
-            return None
-        return sum(s for _, s in big) / sum(t for t, _ in big)  # no spread: the average
+        big = self._prefill_steps  # no spread: their average, an upper bound
+        return sum(s for _, s in big) / sum(t for t, _ in big)
 
     def runtime_scale(self) -> float:
         """Measured build seconds over what the calibration predicted for them (1 without
@@ -167,7 +176,7 @@ class CostModel:
             "runtime_fixed_s": None if c is None else c.runtime_fixed,
             "place_s_per_token": None if c is None else c.place_per_token,
             "runtime_scale": self.runtime_scale(),
-            "engine_steps": len(self._steps),
+            "engine_steps": len(self._decode_steps) + len(self._prefill_steps),
             "builds": len(self._builds),
         }
 
@@ -178,13 +187,17 @@ class CostModel:
     ) -> int:
         """How many of the claim's spans (in order) to build so that the request's
         predicted critical path is shortest; the claim ends after the last one kept, and the
-        rest is vLLM's. 0: build none (the claim is at most the exact run)."""
+        rest is vLLM's. 0: build none (the claim is at most the exact run). A span predicted
+        to be recomputed whole ends the claim before it: the same dense work is batched with
+        vLLM's other work, never run outside it to reach a span behind it."""
         engine = self.engine_per_token()
         if not self.ready or engine is None:
             return 0
         best, best_saving = 0, min_saving
         recomputed, at = 0, exact_end
         for k, span in enumerate(spans, start=1):
+            if span.recomputed >= span.length:
+                break
             recomputed += (span.start - at) + span.recomputed  # private text, then the span
             at = span.start + span.length
             placed = at - start
