@@ -8,7 +8,12 @@ import sys
 import time
 
 from kvcmas.errors import KvcmasError, UsageError
-from kvcmas.experiments.args import add_method_args, add_model_args, method_options
+from kvcmas.experiments.args import (
+    add_method_args,
+    add_model_args,
+    add_saves_args,
+    method_options,
+)
 from kvcmas.model.loader import DEFAULT_MODEL, DTYPES, parse_device
 
 
@@ -312,13 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "head; 0 builds every span). Default: no fixed rule; each claim is "
                         "chosen from the engine's and the connector's costs measured on this "
                         f"server (the fixed rule's old default was {DEFAULT_MIN_GAIN:g})")
-    saves = s.add_mutually_exclusive_group()
-    saves.add_argument("--sync-saves", action="store_true",
-                       help="copy each finished request's KV into the span store inside the "
-                            "engine step (the default on a CPU, whose cores the forward uses)")
-    saves.add_argument("--background-saves", action="store_true",
-                       help="copy it on a background thread while the engine runs on (the "
-                            "default off the CPU)")
+    add_saves_args(s)
     s.add_argument("--max-namespaces", type=int, default=None,
                    help="namespaces (tenants) whose method state (anchor pools) the connector "
                         "keeps; the least recently used beyond it is dropped "

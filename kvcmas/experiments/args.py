@@ -124,3 +124,15 @@ def read_options_file(path: str) -> dict[str, object]:
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise UsageError(f"--method-config {file}: expected a mapping of option names")
     return data
+
+
+def add_saves_args(p: argparse.ArgumentParser) -> None:
+    """Where the connector copies a finished request's KV into its span store (`kvcmas serve`
+    and `kvcmas bench serve` alike)."""
+    saves = p.add_mutually_exclusive_group()
+    saves.add_argument("--sync-saves", action="store_true",
+                       help="copy saves inside the engine step (the default on a CPU, whose "
+                            "cores vLLM's forward uses)")
+    saves.add_argument("--background-saves", action="store_true",
+                       help="copy saves on a background thread while the engine runs on (the "
+                            "default off the CPU)")

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvcmas.errors import UsageError
-from kvcmas.experiments.args import add_model_args
+from kvcmas.experiments.args import add_model_args, add_saves_args
 from kvcmas.experiments.common import float_list, int_list, parse_list
 from kvcmas.experiments.engine_run import PLAIN
 from kvcmas.experiments.machine import serving_dtype
@@ -170,13 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=float, default=None,
                    help="pin the connector's fixed cost rule (`kvcmas serve --min-gain`; "
                         "default: claims chosen from measured costs)")
-    saves = p.add_mutually_exclusive_group()
-    saves.add_argument("--sync-saves", action="store_true",
-                       help="the connector copies saves inside the engine step (`kvcmas serve "
-                            "--sync-saves`; the default on a CPU)")
-    saves.add_argument("--background-saves", action="store_true",
-                       help="the connector copies saves on a background thread (`kvcmas serve "
-                            "--background-saves`)")
+    add_saves_args(p)
     p.add_argument("--agents", type=int, default=4, help="chain length of the trace")
     p.add_argument("--source", default="mmlu", help="dataset whose questions make documents")
     p.add_argument("--out", required=True)
