@@ -157,9 +157,6 @@ class CostModel:
         ``placed`` (the claim's length)."""
         return self._build_seconds(recomputed, placed) * self.runtime_scale()
 
-    def copy_seconds(self, placed: int) -> float:
-        return self.calibration.place_per_token * placed * self.runtime_scale()
-
     def predicted_recompute(self, edge: tuple, length: int, unknown: int) -> int:
         """Tokens of a span of ``edge`` the next build will recompute, as the worker last
         predicted for the edge (``unknown`` before it has)."""
@@ -183,7 +180,7 @@ class CostModel:
     # ------------------------------------------------------------------ the decision
 
     def best_span_count(
-        self, start: int, exact_end: int, spans: Sequence[SpanCost], min_saving: float = 0.0
+        self, start: int, exact_end: int, spans: Sequence[SpanCost]
     ) -> int:
         """How many of the claim's spans (in order) to build so that the request's
         predicted critical path is shortest; the claim ends after the last one kept, and the
@@ -193,7 +190,7 @@ class CostModel:
         engine = self.engine_per_token()
         if not self.ready or engine is None:
             return 0
-        best, best_saving = 0, min_saving
+        best, best_saving = 0, 0.0
         recomputed, at = 0, exact_end
         for k, span in enumerate(spans, start=1):
             if span.recomputed >= span.length:
@@ -205,12 +202,3 @@ class CostModel:
             if saving > best_saving:
                 best, best_saving = k, saving
         return best
-
-    def exact_run_pays(self, length: int) -> bool:
-        """Whether copying an exact run of ``length`` tokens beats vLLM computing it (without
-        measurements: only runs the fixed rule would copy)."""
-        engine = self.engine_per_token()
-        if not self.ready or engine is None:
-            return True
-        return engine * length > self.copy_seconds(length)
-
